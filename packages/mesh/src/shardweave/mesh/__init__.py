@@ -1,0 +1,36 @@
+"""shardweave.mesh: data-parallel mesh info types and the typed plugin registry.
+
+The other shardweave packages meet here: the FSDP engine reads mesh infos and looks up
+extension points; plugins (``shardweave-extensions``, or your own package) implement them.
+"""
+
+from shardweave.mesh._dims import (
+    DataParallelMeshDims,
+    MeshValidationError,
+    default_mesh,
+    mesh_device,
+    resolve_mesh_info,
+)
+from shardweave.mesh._mesh_info import (
+    DataParallelMeshInfo,
+    DDPMeshInfo,
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+)
+from shardweave.mesh._registry import ExtensionPoint, MissingExtensionError
+from shardweave.mesh._version import __version__
+
+__all__ = [
+    "DDPMeshInfo",
+    "DataParallelMeshDims",
+    "DataParallelMeshInfo",
+    "ExtensionPoint",
+    "FSDPMeshInfo",
+    "HSDPMeshInfo",
+    "MeshValidationError",
+    "MissingExtensionError",
+    "__version__",
+    "default_mesh",
+    "mesh_device",
+    "resolve_mesh_info",
+]

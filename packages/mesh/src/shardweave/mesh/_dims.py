@@ -1,0 +1,183 @@
+"""Turning a user's mesh argument into mesh info: 1-D, HSDP, or data-parallel dims of a full SPMD mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardweave.mesh._mesh_info import (
+    DataParallelMeshInfo,
+    DDPMeshInfo,
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+)
+
+__all__ = [
+    "DataParallelMeshDims",
+    "MeshValidationError",
+    "default_mesh",
+    "mesh_device",
+    "resolve_mesh_info",
+]
+
+
+class MeshValidationError(ValueError, AssertionError):
+    """A mesh argument that cannot be used.
+
+    It is a ``ValueError`` (what a caller validating input expects) and also an
+    ``AssertionError``, because torch's FSDP2 raises ``AssertionError`` for some of these
+    cases (a 2-D mesh without dim names) and code written against torch catches that.
+    """
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Names the data-parallel dims of a full SPMD mesh whose parameters are already DTensors.
+
+    Args:
+        shard: mesh dim name(s) that parameters are sharded over; several names are flattened
+            into one shard dim (one process group over their product).
+        replicate: mesh dim name(s) that parameters are replicated over (HSDP's outer dim, or
+            DDP when ``shard`` is None); several names are flattened likewise.
+
+    At least one must be set. Example::
+
+        mesh = init_device_mesh("cuda", (2, 4, 8), mesh_dim_names=("dp_rep", "dp_shard", "tp"))
+        DataParallelMeshDims(shard="dp_shard", replicate="dp_rep")
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "DataParallelMeshDims: set at least one of shard= or replicate= "
+                "(e.g. DataParallelMeshDims(shard='dp'))"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def default_mesh(mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
+    """A 1-D mesh over the default process group on the accelerator (CPU when there is none).
+
+    Initializes the default process group from the environment (``env://``) if needed, as
+    torch's ``fully_shard`` does when called without a mesh.
+    """
+    if not dist.is_initialized():
+        dist.init_process_group()
+    device_type = torch._C._get_accelerator().type
+    return init_device_mesh(
+        device_type, (dist.get_world_size(),), mesh_dim_names=mesh_dim_names
+    )
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh implies: ``cpu``, or its device type at the current device index."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type, None)
+    current = getattr(module, "current_device", None)
+    if current is None:
+        return torch.device(mesh.device_type)
+    return torch.device(mesh.device_type, int(current()))
+
+
+def resolve_mesh_info(
+    mesh: DeviceMesh,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+    *,
+    api: str = "fully_shard",
+) -> DataParallelMeshInfo:
+    """The mesh info for ``api``'s ``mesh`` argument.
+
+    A 1-D mesh shards over its only dim (``FSDPMeshInfo``); a 2-D mesh is ``(replicate,
+    shard)`` (``HSDPMeshInfo``). With ``dp_mesh_dims``, ``mesh`` is a full SPMD mesh and only
+    the named dims are data parallel: shard only gives ``FSDPMeshInfo``, replicate only
+    ``DDPMeshInfo``, both ``HSDPMeshInfo``; several names for one role are flattened into one
+    dim (a new process group, so every rank must make the same call).
+
+    Raises:
+        MeshValidationError: the mesh has the wrong number of dims, lacks dim names where they
+            are needed, or ``dp_mesh_dims`` names an unknown dim or one dim in both roles.
+    """
+    if dp_mesh_dims is None:
+        if mesh.ndim == 1:
+            return FSDPMeshInfo(mesh, shard_mesh_dim=0)
+        if mesh.ndim == 2:
+            if mesh.mesh_dim_names is None:
+                raise MeshValidationError(
+                    f"{api}: a 2-D mesh means HSDP (replicate, shard) and needs dim names; "
+                    "create it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+                )
+            return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+        raise MeshValidationError(
+            f"{api} expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; "
+            "for a mesh with tensor- or pipeline-parallel dims pass "
+            "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...) naming the data-parallel dims"
+        )
+    return _resolve_named_dims(mesh, dp_mesh_dims, api)
+
+
+def _resolve_named_dims(
+    mesh: DeviceMesh, dims: DataParallelMeshDims, api: str
+) -> DataParallelMeshInfo:
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise MeshValidationError(
+            f"{api}: dp_mesh_dims names mesh dims, but the mesh has no dim names; "
+            "create it with init_device_mesh(..., mesh_dim_names=(...))"
+        )
+    shard, replicate = dims.shard_names, dims.replicate_names
+    for name in (*shard, *replicate):
+        if name not in names:
+            raise MeshValidationError(
+                f"{api}: Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}; "
+                "use one of those names in dp_mesh_dims"
+            )
+    both = sorted(set(shard) & set(replicate))
+    if both:
+        raise MeshValidationError(
+            f"{api}: mesh dim '{both[0]}' is named as both a shard and a replicate dim in "
+            "dp_mesh_dims; each data-parallel dim plays one role"
+        )
+    for role, group in (("shard", shard), ("replicate", replicate)):
+        if len(set(group)) != len(group):
+            raise MeshValidationError(
+                f"{api}: dp_mesh_dims.{role} repeats a dim name: {group}; name each dim once"
+            )
+
+    def submesh(group: tuple[str, ...]) -> DeviceMesh:
+        if len(group) == 1:
+            return mesh[group[0]]
+        # Several dims act as one: flatten them (a new 1-D mesh and process group).
+        return mesh[group]._flatten("_".join(group))
+
+    if not shard:
+        return DDPMeshInfo(
+            submesh(replicate), replicate_mesh_dim=0, dp_mesh_dims=dims, spmd_mesh=mesh
+        )
+    if not replicate:
+        return FSDPMeshInfo(submesh(shard), shard_mesh_dim=0, dp_mesh_dims=dims, spmd_mesh=mesh)
+    dp_mesh = DeviceMesh._concatenate([submesh(replicate), submesh(shard)])
+    return HSDPMeshInfo(
+        dp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0, dp_mesh_dims=dims, spmd_mesh=mesh
+    )

@@ -1,0 +1,95 @@
+"""Which mesh dims a data-parallel engine shards and replicates over, with their process groups.
+
+Design note: mesh info vocabulary
+    *shard* dim: parameters are split across its ranks (FSDP); gradients are reduce-scattered
+    over its process group. *replicate* dim: every rank holds the same values (DDP);
+    gradients are all-reduced over it. HSDP has both, replicate first: ``(replicate, shard)``.
+    ``dp_mesh_dims`` is set when ``mesh`` is the data-parallel part of a larger SPMD mesh
+    (``spmd_mesh``) whose other dims (tensor parallel, ...) the engine leaves to DTensor.
+
+The field names and meanings follow torch's FSDP2 so that code written against its mesh infos
+reads the same here. Construction errors are ``AssertionError`` (internal invariants, as torch);
+user-facing validation with ``ValueError`` lives in ``resolve_mesh_info``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardweave.mesh._dims import DataParallelMeshDims
+
+__all__ = ["DDPMeshInfo", "DataParallelMeshInfo", "FSDPMeshInfo", "HSDPMeshInfo"]
+
+
+@dataclass
+class DataParallelMeshInfo:
+    """The data-parallel view of a mesh: which of its dims shard and which replicate."""
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int | None = None
+    replicate_mesh_dim: int | None = None
+    dp_mesh_dims: DataParallelMeshDims | None = None
+    # The full SPMD mesh (data-parallel and, say, tensor-parallel dims) that parameters are
+    # distributed on; None when ``mesh`` is a plain data-parallel mesh.
+    spmd_mesh: DeviceMesh | None = field(default=None, repr=False)
+    is_spmd_mesh: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.shard_mesh_dim is None and self.replicate_mesh_dim is None:
+            raise AssertionError(
+                "DataParallelMeshInfo needs shard_mesh_dim or replicate_mesh_dim (got neither)"
+            )
+        self.is_spmd_mesh = self.dp_mesh_dims is not None
+
+
+@dataclass
+class FSDPMeshInfo(DataParallelMeshInfo):
+    """Parameters sharded over ``mesh[shard_mesh_dim]``."""
+
+    shard_mesh_size: int = field(default=0, init=False)
+    shard_mesh_rank: int = field(default=0, init=False)
+    shard_process_group: dist.ProcessGroup = field(init=False, repr=False)
+    # Reduce-scatter shares the shard group unless a separate group is requested
+    # (FSDPModule.set_separate_reduce_scatter_group), so it can overlap the all-gather.
+    reduce_scatter_process_group: dist.ProcessGroup | None = field(
+        default=None, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shard_mesh_dim is None:
+            raise AssertionError("FSDPMeshInfo needs a shard_mesh_dim")
+        self.shard_mesh_size = self.mesh.size(self.shard_mesh_dim)
+        self.shard_process_group = self.mesh.get_group(self.shard_mesh_dim)
+        self.shard_mesh_rank = self.mesh.get_local_rank(self.shard_mesh_dim)
+
+
+@dataclass
+class DDPMeshInfo(DataParallelMeshInfo):
+    """Parameters replicated over ``mesh[replicate_mesh_dim]``."""
+
+    replicate_mesh_size: int = field(default=0, init=False)
+    replicate_mesh_rank: int = field(default=0, init=False)
+    replicate_process_group: dist.ProcessGroup = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.replicate_mesh_dim is None:
+            raise AssertionError("DDPMeshInfo needs a replicate_mesh_dim")
+        self.replicate_mesh_size = self.mesh.size(self.replicate_mesh_dim)
+        self.replicate_process_group = self.mesh.get_group(self.replicate_mesh_dim)
+        self.replicate_mesh_rank = self.mesh.get_local_rank(self.replicate_mesh_dim)
+
+
+@dataclass
+class HSDPMeshInfo(FSDPMeshInfo, DDPMeshInfo):
+    """Sharded over the shard dim and replicated over the replicate dim (hybrid sharding)."""
+
+    def __post_init__(self) -> None:
+        # MRO: FSDPMeshInfo -> DDPMeshInfo -> DataParallelMeshInfo, each runs once.
+        super().__post_init__()
