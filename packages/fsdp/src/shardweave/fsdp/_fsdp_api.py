@@ -1,0 +1,122 @@
+"""Policies and communication interfaces users pass to ``fully_shard`` (torch's public names)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "AllGather",
+    "CPUOffloadPolicy",
+    "Comm",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ReduceScatter",
+]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for the all-gather/compute, the gradient reduction and the module output.
+
+    Sharded parameters and their gradients always stay in the parameters' original dtype, so the
+    optimizer steps in full precision.
+
+    Args:
+        param_dtype: all-gather and compute in this dtype (halves all-gather bytes for bf16 over
+            fp32, at the cost of compute precision). ``None`` keeps the original dtype.
+        reduce_dtype: reduce gradients in this dtype; e.g. fp32 with ``param_dtype=bfloat16`` keeps
+            full-precision reduction at twice the reduce-scatter bytes. ``None`` uses the
+            gradient's dtype (``param_dtype`` if set).
+        output_dtype: floating-point outputs of the module are cast to this dtype.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+
+    Example::
+
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(
+                    f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, got {value!r} "
+                    f"({type(value).__name__}); e.g. {name}=torch.bfloat16"
+                )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
+                f"got {self.cast_forward_inputs!r}"
+            )
+
+
+@dataclass
+class OffloadPolicy:
+    """No offloading; the base class of offload policies."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients and optimizer state on the CPU.
+
+    Shards are copied to the device before each all-gather and gradients back after each
+    reduce-scatter; the optimizer steps on the CPU. Trades step time for device memory.
+
+    Args:
+        pin_memory: pin the CPU shards so host/device copies can run asynchronously (needs an
+            accelerator).
+    """
+
+    pin_memory: bool = True
+
+
+class Comm(ABC):
+    """How a collective allocates its staging buffer."""
+
+    @abstractmethod
+    def allocate(
+        self,
+        size: tuple[int, ...] | torch.Size,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Return a tensor of ``size`` for the collective's input or output."""
+
+
+class AllGather(Comm):
+    """A user-provided all-gather (``FSDPModule.set_custom_all_gather``)."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Gather every rank's flat ``input_tensor`` into ``output_tensor`` (rank-major)."""
+
+
+class ReduceScatter(Comm):
+    """A user-provided reduce-scatter (``FSDPModule.set_custom_reduce_scatter``)."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Reduce ``input_tensor`` across ranks and keep this rank's chunk in ``output_tensor``."""

@@ -1,0 +1,264 @@
+"""The group collectives: all-gather copy-in/copy-out and gradient reduction.
+
+Functions here take explicit buffers, process groups and comm objects; they never look at
+modules or training state (the param group decides *when*, this module decides *how*).
+See Design note: tensor vocabulary (``_fsdp_common``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.distributed as dist
+
+from shardweave.fsdp._fsdp_api import AllGather, ReduceScatter
+
+if TYPE_CHECKING:
+    from shardweave.fsdp._fsdp_param import FSDPParam
+
+__all__ = [
+    "AllGatherResult",
+    "DefaultAllGather",
+    "DefaultReduceScatter",
+    "all_gather_copy_in",
+    "all_gather_copy_out",
+    "foreach_reduce",
+    "gradient_divide_factors",
+]
+
+ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
+
+
+class DefaultAllGather(AllGather):
+    """``all_gather_single`` on the group, into a ``torch.empty`` buffer."""
+
+    def allocate(
+        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return cast("dist.Work | None", work)
+
+
+class DefaultReduceScatter(ReduceScatter):
+    """``reduce_scatter_single`` on the group, into a ``torch.empty`` buffer."""
+
+    def allocate(
+        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: ReduceOpLike,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work = dist.reduce_scatter_single(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+        return cast("dist.Work | None", work)
+
+
+@dataclass
+class AllGatherResult:
+    """An issued all-gather whose copy-out has not run yet."""
+
+    output: torch.Tensor  # 1D, world_size * input numel, rank-major
+    work: dist.Work | None
+    world_size: int
+    split_sizes: list[int]  # each param's numel per rank, in units of ``output``'s dtype
+    as_bytes: bool  # output is uint8 because the inputs' dtypes differed
+    post_forward: bool  # gathered from the post-forward shards (already in final layout)
+
+
+def all_gather_copy_in(
+    fsdp_params: Sequence[FSDPParam],
+    flat_sharded: torch.Tensor | None,
+    param_dtype: torch.dtype | None,
+    device: torch.device,
+    post_forward: bool,
+) -> tuple[torch.Tensor, list[int], bool]:
+    """The 1D all-gather input, each param's numel in it, and whether it is a byte view.
+
+    With the group's flat sharded storage (see Design note: flat storage in
+    ``_fsdp_param_group``) the input *is* the storage, or one cast of it: no per-parameter copy.
+    """
+    if flat_sharded is not None and not post_forward:
+        data = flat_sharded
+        if data.device != device:
+            data = data.to(device, non_blocking=True)
+        if param_dtype is not None and data.dtype != param_dtype:
+            data = data.to(param_dtype)
+        return data, [p.padded_sharded_numel for p in fsdp_params], False
+    inputs = [p.all_gather_input() for p in fsdp_params]
+    dtypes = {t.dtype for t in inputs}
+    as_bytes = len(dtypes) > 1
+    if as_bytes:
+        # Mixed dtypes (e.g. frozen bf16 beside fp32) travel as one byte buffer.
+        inputs = [t.contiguous().view(torch.uint8) for t in inputs]
+    sizes = [t.numel() for t in inputs]
+    if len(inputs) == 1:
+        return inputs[0], sizes, as_bytes
+    return torch.cat(inputs), sizes, as_bytes
+
+
+def all_gather_copy_out(result: AllGatherResult, fsdp_params: Sequence[FSDPParam]) -> None:
+    """Split the gathered buffer into each parameter's all-gather output in one pass."""
+    world = result.world_size
+    outs: list[torch.Tensor] = []
+    fixups: list[tuple[FSDPParam, torch.Tensor]] = []
+    for fsdp_param in fsdp_params:
+        target = fsdp_param.alloc_all_gather_output()
+        if fsdp_param.shard_dim != 0 and not result.post_forward:
+            # Rows of a dim-d shard are chunks along d: gather into a scratch buffer, then
+            # concatenate along d into the real layout.
+            scratch = torch.empty_like(target)
+            fixups.append((fsdp_param, scratch))
+            target = scratch
+        if result.as_bytes:
+            target = target.view(torch.uint8)
+        outs.append(target.view(world, -1))
+    gathered = result.output.view(world, -1)
+    if len(outs) == 1:
+        outs[0].copy_(gathered)
+    else:
+        torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outs)
+    for fsdp_param, scratch in fixups:
+        shards = scratch.view(world * fsdp_param.padded_sharded_size[0], -1)
+        pieces = [
+            c.view(fsdp_param.padded_sharded_size) for c in torch.chunk(shards, world, dim=0)
+        ]
+        torch.cat(
+            pieces,
+            dim=fsdp_param.shard_dim,
+            out=fsdp_param.all_gather_output.view(fsdp_param.orig_size),
+        )
+
+
+def gradient_divide_factors(
+    reduce_scatter_size: int,
+    all_reduce_size: int,
+    reduce_dtype: torch.dtype,
+    factor: float | None,
+    force_sum: bool,
+) -> tuple[float | None, float | None, ReduceOpLike, ReduceOpLike]:
+    """(pre-divide, post-divide, reduce-scatter op, all-reduce op) for a gradient reduction.
+
+    The default averages over every data-parallel rank; ``factor`` replaces that divisor.
+    fp32/bf16 divide inside the collective (AVG); other dtypes (fp16's narrow range) and
+    ``force_sum`` use SUM with explicit division, split before and after the collective for
+    overflow-prone dtypes. The choices match torch's FSDP2 so results are bitwise comparable.
+    """
+    size = reduce_scatter_size * all_reduce_size
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            if size == 1:
+                return None, None, dist.ReduceOp.SUM, dist.ReduceOp.SUM
+            return None, None, dist.ReduceOp.AVG, dist.ReduceOp.AVG
+        if factor == reduce_scatter_size:
+            return None, None, dist.ReduceOp.AVG, dist.ReduceOp.SUM
+        premul = torch._C._distributed_c10d._make_nccl_premul_sum(1.0 / factor)
+        return None, None, premul, dist.ReduceOp.SUM
+    total = float(size) if factor is None else factor
+    if not overflow_risk:
+        return None, total, dist.ReduceOp.SUM, dist.ReduceOp.SUM
+    pre = 1
+    while total % pre == 0 and total / pre > pre:
+        pre *= 2
+    return float(pre), total / pre, dist.ReduceOp.SUM, dist.ReduceOp.SUM
+
+
+def _div_(tensor: torch.Tensor, factor: float | None) -> None:
+    if factor is not None and factor != 1:
+        tensor.div_(factor)
+
+
+def foreach_reduce(
+    fsdp_params: Sequence[FSDPParam],
+    grads: list[torch.Tensor],
+    reduce_scatter_group: dist.ProcessGroup | None,
+    reduce_scatter_comm: ReduceScatter,
+    orig_dtype: torch.dtype,
+    reduce_dtype: torch.dtype | None,
+    device: torch.device,
+    divide_factor: float | None,
+    all_reduce_group: dist.ProcessGroup | None,
+    all_reduce_grads: bool,
+    partial_reduce_output: torch.Tensor | None,
+    all_reduce_hook: Callable[[torch.Tensor], None] | None,
+    force_sum: bool,
+) -> torch.Tensor | None:
+    """Reduce-scatter (then all-reduce for HSDP) one group's gradients into its sharded grads.
+
+    Returns the HSDP partial sum to carry to the next microbatch when ``all_reduce_grads`` is
+    False, else None.
+    """
+    grad_dtypes = {g.dtype for g in grads}
+    if len(grad_dtypes) != 1:
+        names = ", ".join(p.param_fqn for p in fsdp_params)
+        raise AssertionError(
+            f"FSDP reduce-scatter expects one gradient dtype per group, got {grad_dtypes} for "
+            f"[{names}]"
+        )
+    rdtype = reduce_dtype or grads[0].dtype
+    world = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
+    ar_size = all_reduce_group.size() if all_reduce_group is not None else 1
+    pre, post, rs_op, ar_op = gradient_divide_factors(
+        world, ar_size, rdtype, divide_factor, force_sum
+    )
+    laid_out = [p.grad_for_reduce_scatter(g, world) for p, g in zip(fsdp_params, grads, strict=True)]
+    out_numel = sum(p.padded_sharded_numel for p in fsdp_params)
+    rs_input = reduce_scatter_comm.allocate((world * out_numel,), dtype=rdtype, device=device)
+    # One kernel: chunk every grad into `world` dim-0 pieces (zero padded), cast, and lay
+    # rank i's pieces side by side in row i.
+    torch._chunk_cat(laid_out, dim=0, num_chunks=world, out=rs_input.view(world, -1))
+    grads.clear()  # the unsharded grads can be freed now
+    del laid_out
+    _div_(rs_input, pre)
+    if world > 1:
+        assert reduce_scatter_group is not None
+        output = reduce_scatter_comm.allocate((out_numel,), dtype=rdtype, device=device)
+        reduce_scatter_comm(
+            output_tensor=output, input_tensor=rs_input, group=reduce_scatter_group, op=rs_op
+        )
+    else:
+        output = rs_input
+        if divide_factor is not None and pre is None and post is None:
+            # Difference from torch: torch divides by the factor here *and* applies pre/post
+            # factors in the fp16/force-sum cases; we divide exactly once.
+            output = output / divide_factor
+    if all_reduce_group is not None:
+        if not all_reduce_grads:
+            if partial_reduce_output is not None:
+                partial_reduce_output += output
+                return partial_reduce_output
+            return output
+        if partial_reduce_output is not None:
+            output += partial_reduce_output
+        dist.all_reduce(output, op=ar_op, group=all_reduce_group)
+    if all_reduce_hook is not None:
+        all_reduce_hook(output)
+    _div_(output, post)
+    if output.dtype != orig_dtype:
+        output = output.to(orig_dtype)
+    offset = 0
+    for fsdp_param in fsdp_params:
+        numel = fsdp_param.padded_sharded_numel
+        fsdp_param.assign_sharded_grad(output.narrow(0, offset, numel))
+        offset += numel
+    return None

@@ -1,0 +1,145 @@
+"""Small shared pieces of the engine: lifecycle enums, tensor-tree walking, chunking helpers.
+
+Design note: tensor vocabulary
+    *sharded*: this rank's piece of a parameter, registered on the module as a DTensor between
+    steps. *padded*: a shard extended with zeros on dim 0 so every rank holds the same numel
+    (torch.chunk semantics leave trailing ranks short or empty). *unsharded*: the full
+    parameter, rebuilt from the all-gather output for forward and backward. *all-gather input*:
+    the padded shards of one group laid end to end; *all-gather output*: every rank's input,
+    rank-major. *reduce-scatter input*: the unsharded gradients chunked per rank, rank-major;
+    its *output* is this rank's padded gradient shards laid end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Shard
+
+from shardweave.mesh import FSDPMeshInfo
+
+__all__ = [
+    "ShardPlacementResult",
+    "ShardedState",
+    "TrainingState",
+    "apply_to_tensors",
+    "cast_floating",
+    "chunk_with_empty",
+    "collect_grad_tensors",
+    "dim_chunked_size",
+    "in_backward",
+    "padded_dim0_size",
+    "replace_grad_tensors",
+]
+
+
+class TrainingState(Enum):
+    """Where a state or parameter group is in the training step."""
+
+    FORWARD = auto()  # from pre-forward until post-forward
+    PRE_BACKWARD = auto()  # unsharding for backward
+    POST_BACKWARD = auto()  # resharding and reducing gradients
+    IDLE = auto()
+
+
+class ShardedState(Enum):
+    """Which form of the parameters is registered on the module."""
+
+    SHARDED = auto()  # sharded DTensors; only the shards hold memory
+    SHARDED_POST_FORWARD = auto()  # smaller-group shards after an int reshard_after_forward
+    UNSHARDED = auto()  # full parameters for compute
+
+
+@dataclasses.dataclass
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return to put a parameter on another mesh (e.g. experts)."""
+
+    placement: Shard | None
+    mesh_info: FSDPMeshInfo
+
+
+def in_backward() -> bool:
+    """Whether autograd is currently running a backward graph task."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def padded_dim0_size(size: torch.Size, world_size: int) -> torch.Size:
+    return torch.Size([math.ceil(size[0] / world_size) * world_size, *size[1:]])
+
+
+def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:
+    """``torch.chunk`` padded with empty chunks so there is exactly one per rank."""
+    chunks = list(torch.chunk(tensor, num_chunks, dim=dim))
+    while len(chunks) < num_chunks:
+        chunks.append(chunks[0].new_empty(0))
+    return chunks
+
+
+def dim_chunked_size(chunk: torch.Tensor, full_size: torch.Size, dim: int) -> torch.Size:
+    """The chunk's size, keeping the other dims when the chunk is empty (DTensor needs them)."""
+    if chunk.numel() > 0:
+        return chunk.size()
+    return torch.Size([*full_size[:dim], 0, *full_size[dim + 1 :]])
+
+
+def cast_floating(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if torch.is_floating_point(x) and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return cast
+
+
+def apply_to_tensors(fn: Callable[[torch.Tensor], torch.Tensor], container: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested lists, tuples, namedtuples, dicts and dataclasses."""
+    if isinstance(container, torch.Tensor):
+        return fn(container)
+    if isinstance(container, dict):
+        return type(container)((k, apply_to_tensors(fn, v)) for k, v in container.items())
+    if isinstance(container, tuple) and hasattr(container, "_fields"):  # namedtuple
+        return type(container)(*(apply_to_tensors(fn, v) for v in container))
+    if isinstance(container, (list, tuple)):
+        return type(container)(apply_to_tensors(fn, v) for v in container)
+    if dataclasses.is_dataclass(container) and not isinstance(container, type):
+        changes = {
+            f.name: apply_to_tensors(fn, getattr(container, f.name))
+            for f in dataclasses.fields(container)
+            if f.init
+        }
+        return dataclasses.replace(container, **changes)
+    return container
+
+
+def _walk_tensors(container: Any) -> Iterator[torch.Tensor]:
+    if isinstance(container, torch.Tensor):
+        yield container
+    elif isinstance(container, dict):
+        for v in container.values():
+            yield from _walk_tensors(v)
+    elif isinstance(container, (list, tuple)):
+        for v in container:
+            yield from _walk_tensors(v)
+    elif dataclasses.is_dataclass(container) and not isinstance(container, type):
+        for f in dataclasses.fields(container):
+            if f.init:  # the fields apply_to_tensors can rebuild, in the same order
+                yield from _walk_tensors(getattr(container, f.name))
+
+
+def collect_grad_tensors(container: Any) -> list[torch.Tensor]:
+    """Every tensor in ``container`` that requires grad, in a stable walk order."""
+    return [t for t in _walk_tensors(container) if t.requires_grad]
+
+
+def replace_grad_tensors(container: Any, replacements: Iterator[torch.Tensor]) -> Any:
+    """Swap grad-requiring tensors in walk order (the order ``collect_grad_tensors`` used)."""
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        return next(replacements) if t.requires_grad else t
+
+    return apply_to_tensors(swap, container)

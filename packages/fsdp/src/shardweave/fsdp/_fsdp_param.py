@@ -1,0 +1,467 @@
+"""FSDPParam: one parameter's life between its sharded, post-forward and unsharded forms."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement
+
+from shardweave.fsdp._fsdp_common import (
+    ShardedState,
+    chunk_with_empty,
+    dim_chunked_size,
+)
+from shardweave.mesh import HSDPMeshInfo, MissingExtensionError
+
+if TYPE_CHECKING:
+    from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+    from shardweave.mesh import FSDPMeshInfo
+
+__all__ = ["FSDPParam", "ParamModuleInfo"]
+
+# Identifies an original parameter across groups even after FSDP replaced it (a tied weight
+# that two fully_shard calls both claim must be reported, not silently sharded twice).
+_UID_ATTR = "_shardweave_param_uid"
+_uids = itertools.count()
+
+
+@dataclass
+class ParamModuleInfo:
+    """Where a parameter is registered: its first (module, name) plus every alias (tied weights)."""
+
+    module: nn.Module
+    param_name: str
+    shared_modules: list[nn.Module] = field(default_factory=list)
+    shared_param_names: list[str] = field(default_factory=list)
+
+
+def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    strides = [1] * len(size)
+    for i in range(len(size) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(size[i + 1], 1)
+    return tuple(strides)
+
+
+def _dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    # Not from_local: that is differentiable and re-checks metadata on every call.
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+
+
+def _local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return cast(DTensor, param)._local_tensor
+
+
+def _set_local_tensor(param: torch.Tensor, local: torch.Tensor) -> None:
+    # The registered Parameter *is* the DTensor (nn.Parameter of a subclass keeps its type):
+    # re-pointing its local tensor keeps the object users and optimizers hold.
+    cast(DTensor, param)._local_tensor = local
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    # See Design note: storage resize. Autograd saved the unsharded parameter (a view of this
+    # tensor) in the forward; refilling the same storage keeps those references valid.
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class FSDPParam:
+    """One parameter managed by a group.
+
+    Design note: storage resize
+        The unsharded parameter is created once, as a view of its all-gather output buffer.
+        Resharding frees that buffer's storage (resize to 0 bytes) and the next unshard
+        re-allocates and refills it in place, so the parameter object, the autograd graph's
+        references to it and any user reference stay valid across iterations.
+    """
+
+    orig_dtype: torch.dtype
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    sharded_param: nn.Parameter
+    _unsharded_param: nn.Parameter | None
+    all_gather_output: torch.Tensor  # 1D, every rank's padded shard, rank-major
+    _sharded_param_data: torch.Tensor  # 1D, padded: this rank's shard plus zero padding
+    _sharded_post_forward_data: torch.Tensor | None  # 1D, this rank's 1/k of the padded full
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        module_info: ParamModuleInfo,
+        mesh_info: FSDPMeshInfo,
+        post_forward_mesh_info: FSDPMeshInfo | None,
+        device: torch.device,
+        shard_placement: Shard | None,
+        offload_to_cpu: bool,
+        pin_memory: bool,
+    ) -> None:
+        self._module_info = module_info
+        self.mesh_info = mesh_info
+        self.post_forward_mesh_info = post_forward_mesh_info
+        self.device = device
+        self.offload_to_cpu = offload_to_cpu
+        self.pin_memory = pin_memory
+        self.param_fqn = f"{type(module_info.module).__name__}.{module_info.param_name}"
+        self.param_dtype = None
+        self.reduce_dtype = None
+        self._unsharded_param = None
+        self._sharded_post_forward_data = None
+        self._sharded_post_forward_param: nn.Parameter | None = None
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self.sharded_state = ShardedState.SHARDED
+        if not hasattr(param, _UID_ATTR):
+            setattr(param, _UID_ATTR, next(_uids))
+        self.orig_param_uid: int = getattr(param, _UID_ATTR)
+        self._init_sharded_param(param, shard_placement)
+
+    # --- construction -------------------------------------------------------------------------
+    def _init_sharded_param(self, param: nn.Parameter, placement: Shard | None) -> None:
+        if isinstance(param, DTensor):
+            raise MissingExtensionError(
+                f"fully_shard: parameter '{self.param_fqn}' is a DTensor (tensor parallel); "
+                "sharding DTensor parameters needs the 'shardweave.param_handling' plugin for "
+                "DTensor. Install it with `pip install shardweave-extensions`."
+            )
+        if param.ndim == 0:
+            raise ValueError(
+                f"fully_shard does not support 0-dim parameters: '{self.param_fqn}' has shape (). "
+                f"Change {self._module_info.param_name} to a 1D tensor with numel equal to 1."
+            )
+        if param.device != self.device and param.device.type != "meta":
+            raise AssertionError(
+                f"fully_shard: expected '{self.param_fqn}' on {self.device} but it is on "
+                f"{param.device}"
+            )
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"fully_shard requires contiguous parameters, but '{self.param_fqn}' has shape "
+                f"{tuple(param.shape)} and stride {param.stride()} (e.g. channels_last); call "
+                "module.to(memory_format=torch.contiguous_format) first"
+            )
+        shard_dim = 0 if placement is None else placement.dim
+        if shard_dim < 0:
+            shard_dim += param.ndim
+        if not 0 <= shard_dim < param.ndim:
+            raise AssertionError(
+                f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor '{self.param_fqn}'"
+            )
+        world, rank = self.mesh_info.shard_mesh_size, self.mesh_info.shard_mesh_rank
+        if shard_dim > 0 and param.size(shard_dim) % world != 0:
+            raise NotImplementedError(
+                f"fully_shard does not support uneven sharding on dim {shard_dim}: "
+                f"'{self.param_fqn}' has size {param.size(shard_dim)} there and the shard group "
+                f"has {world} ranks; shard on dim 0 or pick a dim divisible by {world}"
+            )
+        self.shard_dim = shard_dim
+        self.fsdp_placement = Shard(shard_dim)
+        self.orig_size = param.size()
+        self.orig_dtype = param.dtype
+        chunks = chunk_with_empty(param.detach(), world, shard_dim)
+        self.sharded_size = dim_chunked_size(chunks[rank], param.size(), shard_dim)
+        self.padded_sharded_size = chunks[0].size()  # chunk 0 is always the largest
+        self.padded_sharded_numel = self.padded_sharded_size.numel()
+        self.sharded_numel = self.sharded_size.numel()
+        padded = param.new_zeros(self.padded_sharded_size, device=param.device)
+        if chunks[rank].numel() > 0:
+            padded.narrow(shard_dim, 0, chunks[rank].size(shard_dim)).copy_(chunks[rank])
+        if self.offload_to_cpu and padded.device.type != "meta":
+            padded = padded.cpu()
+            if self.pin_memory:
+                padded = padded.pin_memory()
+        self._sharded_param_data = padded.view(-1)
+        mesh = self.mesh_info.mesh
+        placements: tuple[Placement, ...]
+        if isinstance(self.mesh_info, HSDPMeshInfo):
+            placements = (Replicate(), self.fsdp_placement)
+        else:
+            placements = (self.fsdp_placement,)
+        self._sharding_spec = DTensorSpec(
+            mesh,
+            placements,
+            tensor_meta=TensorMeta(param.size(), param.stride(), param.dtype),
+        )
+        sharded = nn.Parameter(
+            _dtensor(self._local_view(padded.view(-1)), self._sharding_spec),
+            requires_grad=param.requires_grad,
+        )
+        self.sharded_param = sharded
+        self._setattr_on_modules(sharded)
+
+    def _local_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
+        """This rank's unpadded shard as a view of a flat padded buffer."""
+        return padded_flat.view(self.padded_sharded_size).narrow(
+            self.shard_dim, 0, self.sharded_size[self.shard_dim]
+        )
+
+    # --- dtypes -------------------------------------------------------------------------------
+    def init_dtype_attrs(self, mp_policy: MixedPrecisionPolicy) -> None:
+        """Resolve compute/reduce dtypes from the *current* sharded dtype (casts are allowed
+        between ``fully_shard`` and the first forward)."""
+        self.orig_dtype = self.sharded_param.dtype
+        param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
+        if reduce_dtype == param_dtype:
+            reduce_dtype = None  # the gradient already arrives in that dtype
+        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
+            param_dtype = None
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    @property
+    def unsharded_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.orig_dtype
+
+    # --- flat storage -------------------------------------------------------------------------
+    @property
+    def sharded_param_data(self) -> torch.Tensor:
+        return self._sharded_param_data
+
+    def rebind_sharded_storage(self, flat_slice: torch.Tensor) -> None:
+        """Move this shard into ``flat_slice`` (a view of the group's flat buffer) and make the
+        registered DTensor's local tensor a view of it, so the all-gather can read the group's
+        shards with no copy-in."""
+        flat_slice.copy_(self._sharded_param_data)
+        self._sharded_param_data = flat_slice
+        _set_local_tensor(self.sharded_param, self._local_view(flat_slice))
+
+    def reset_sharded_param(self) -> bool:
+        """Adopt what is registered on the module now (after ``to_empty``, ``.to(dtype)``,
+        ``load_state_dict(assign=True)``); returns True if the shard moved to new storage."""
+        module_info = self._module_info
+        registered: torch.Tensor | None = module_info.module._parameters[module_info.param_name]
+        if not isinstance(registered, DTensor) or not isinstance(registered, nn.Parameter):
+            raise AssertionError(
+                f"fully_shard: '{self.param_fqn}' was replaced by a plain tensor; load sharded "
+                "values as DTensors (distribute_tensor or torch.distributed.checkpoint)"
+            )
+        if registered is not self.sharded_param:
+            self.sharded_param = registered
+            self._setattr_on_modules(registered)
+        local = _local_tensor(self.sharded_param)
+        self._sharding_spec = cast(DTensor, self.sharded_param)._spec
+        current = self._sharded_param_data
+        if (
+            local.device == current.device
+            and local.dtype == current.dtype
+            and local.untyped_storage().data_ptr() == current.untyped_storage().data_ptr()
+            and local.storage_offset() == current.storage_offset()
+            and local.device.type != "meta"
+        ):
+            return False  # already a view of our padded shard
+        if local.size() != self.sharded_size:
+            raise AssertionError(
+                f"fully_shard: '{self.param_fqn}' local shard has size {tuple(local.size())}, "
+                f"expected {tuple(self.sharded_size)}"
+            )
+        padded = local.new_zeros(self.padded_sharded_size)
+        if local.numel() > 0:
+            padded.narrow(self.shard_dim, 0, local.size(self.shard_dim)).copy_(local)
+        if self.offload_to_cpu and padded.device.type != "meta":
+            padded = padded.cpu()
+            if self.pin_memory and not padded.is_pinned():
+                padded = padded.pin_memory()
+        self._sharded_param_data = padded.view(-1)
+        _set_local_tensor(self.sharded_param, self._local_view(self._sharded_param_data))
+        self.orig_dtype = self.sharded_param.dtype
+        return True
+
+    # --- all-gather ---------------------------------------------------------------------------
+    def all_gather_input(self) -> torch.Tensor:
+        """This rank's 1D contribution to the group's all-gather (cast/moved as needed)."""
+        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            assert self._sharded_post_forward_data is not None
+            return self._sharded_post_forward_data
+        data = self._sharded_param_data
+        if data.device != self.device:
+            data = data.to(self.device, non_blocking=True)
+        if self.param_dtype is not None and data.dtype != self.param_dtype:
+            data = data.to(self.param_dtype)
+        return data
+
+    def alloc_all_gather_output(self) -> torch.Tensor:
+        """The 1D output buffer (padded full parameter), storage allocated."""
+        if not hasattr(self, "all_gather_output"):
+            world = self.mesh_info.shard_mesh_size
+            self.all_gather_output = torch.empty(
+                world * self.padded_sharded_numel, dtype=self.unsharded_dtype, device=self.device
+            )
+        else:
+            if self.all_gather_output.dtype != self.unsharded_dtype:
+                # The dtype changed since the last unshard (a cast before the first forward).
+                self.all_gather_output = torch.empty_like(
+                    self.all_gather_output, dtype=self.unsharded_dtype
+                )
+                self._unsharded_param = None
+            _alloc_storage(self.all_gather_output)
+        return self.all_gather_output
+
+    def init_unsharded_param(self) -> None:
+        """Create the unsharded parameter once; later unshards refill its storage in place."""
+        if self._unsharded_param is not None:
+            return
+        unsharded = self.all_gather_output.as_strided(
+            self.orig_size, _contiguous_strides(self.orig_size), 0
+        )
+        self._unsharded_param = nn.Parameter(
+            unsharded, requires_grad=self.sharded_param.requires_grad
+        )
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:
+        if self._unsharded_param is None:
+            raise AssertionError(f"'{self.param_fqn}' has not been unsharded yet")
+        return self._unsharded_param
+
+    @property
+    def has_unsharded_param(self) -> bool:
+        return self._unsharded_param is not None
+
+    # --- state transitions --------------------------------------------------------------------
+    def to_unsharded(self) -> None:
+        param = self.unsharded_param
+        param.requires_grad_(self.sharded_param.requires_grad)
+        self._setattr_on_modules(param)
+        self._free_post_forward_data()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        self._setattr_on_modules(self.sharded_param)
+        self._free_post_forward_data()
+        if hasattr(self, "all_gather_output"):
+            _free_storage(self.all_gather_output)
+        self.sharded_state = ShardedState.SHARDED
+
+    def to_sharded_post_forward(self) -> None:
+        """Keep only this rank's 1/k of the padded full parameter (int reshard_after_forward)."""
+        info = self.post_forward_mesh_info
+        if info is None:
+            raise AssertionError("to_sharded_post_forward needs a post-forward mesh")
+        if self.sharded_state != ShardedState.UNSHARDED:
+            raise AssertionError(f"expected UNSHARDED, got {self.sharded_state}")
+        numel = self.all_gather_output.numel() // info.shard_mesh_size
+        self._sharded_post_forward_data = self.all_gather_output.narrow(
+            0, numel * info.shard_mesh_rank, numel
+        ).clone()
+        placements = (Replicate(), Shard(0))
+        spec = DTensorSpec(
+            info.mesh,
+            placements,
+            tensor_meta=TensorMeta(
+                self.orig_size, _contiguous_strides(self.orig_size), self.unsharded_dtype
+            ),
+        )
+        local = self._sharded_post_forward_local()
+        self._sharded_post_forward_param = nn.Parameter(
+            _dtensor(local, spec), requires_grad=self.sharded_param.requires_grad
+        )
+        self._setattr_on_modules(self._sharded_post_forward_param)
+        _free_storage(self.all_gather_output)
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def _sharded_post_forward_local(self) -> torch.Tensor:
+        # Rows of the padded full parameter this rank keeps, clipped to the real size so the
+        # registered DTensor's metadata is valid (padding rows are kept in the flat buffer).
+        info = self.post_forward_mesh_info
+        assert info is not None and self._sharded_post_forward_data is not None
+        row = self.orig_size[1:].numel() if len(self.orig_size) > 1 else 1
+        rows_each = self._sharded_post_forward_data.numel() // max(row, 1)
+        start = rows_each * info.shard_mesh_rank
+        keep = max(0, min(rows_each, self.orig_size[0] - start))
+        return self._sharded_post_forward_data.narrow(0, 0, keep * row).view(
+            keep, *self.orig_size[1:]
+        )
+
+    def _free_post_forward_data(self) -> None:
+        self._sharded_post_forward_data = None
+        self._sharded_post_forward_param = None
+
+    def _setattr_on_modules(self, param: nn.Parameter) -> None:
+        info = self._module_info
+        for module, name in (
+            (info.module, info.param_name),
+            *zip(info.shared_modules, info.shared_param_names, strict=True),
+        ):
+            # Writing _parameters directly skips nn.Module.__setattr__'s checks, which cost
+            # real time with thousands of parameters; modules overriding __setattr__ keep it.
+            if type(module).__setattr__ is nn.Module.__setattr__:
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
+
+    # --- gradients ----------------------------------------------------------------------------
+    def accumulate_unsharded_grad_if_needed(self) -> None:
+        """Fold a new unsharded grad into the reduce-dtype accumulator (no-sync microbatches)."""
+        if (
+            self.unsharded_accumulated_grad is not None
+            and self._unsharded_param is not None
+            and self._unsharded_param.grad is not None
+        ):
+            self.unsharded_accumulated_grad += self._unsharded_param.grad
+            self._unsharded_param.grad = None
+
+    def to_accumulated_grad_if_needed(self) -> None:
+        """Keep accumulating in ``reduce_dtype`` rather than the (lower) compute dtype."""
+        if (
+            self.reduce_dtype is None
+            or self._unsharded_param is None
+            or self._unsharded_param.grad is None
+            or self._unsharded_param.grad.dtype == self.reduce_dtype
+        ):
+            return
+        grad = self._unsharded_param.grad
+        self._unsharded_param.grad = None
+        self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
+
+    def take_unsharded_grad(self, zero_if_unused: bool) -> torch.Tensor | None:
+        """Pop this parameter's pending unsharded gradient for reduction."""
+        if self._unsharded_param is None:
+            return None
+        if self.unsharded_accumulated_grad is not None:
+            grad = self.unsharded_accumulated_grad
+            self.unsharded_accumulated_grad = None
+            return grad
+        param = self._unsharded_param
+        if param.grad is not None:
+            grad = param.grad
+            param.grad = None
+            return grad
+        if zero_if_unused and param.requires_grad:
+            return torch.zeros(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
+        return None
+
+    def grad_for_reduce_scatter(self, grad: torch.Tensor, world_size: int) -> torch.Tensor:
+        """Lay out a dim-d sharded gradient so its per-rank chunks are dim-0 chunks."""
+        if self.shard_dim == 0 or world_size == 1:
+            return grad
+        return torch.cat(torch.chunk(grad, world_size, dim=self.shard_dim), dim=0)
+
+    def assign_sharded_grad(self, flat_shard: torch.Tensor) -> None:
+        """Set or accumulate ``sharded_param.grad`` from this param's slot of the reduce output."""
+        local = self._local_view(flat_shard)
+        if self.offload_to_cpu and local.device.type != "cpu":
+            local = local.to("cpu")
+        sharded = self.sharded_param
+        if sharded.grad is None:
+            sharded.grad = _dtensor(local, self._sharding_spec)
+        else:
+            _local_tensor(sharded.grad).add_(local)
+        # Post-accumulate-grad hooks (optimizer-in-backward) fire on the sharded parameter,
+        # which autograd never sees, so run them here.
+        hooks = getattr(sharded, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            for hook in hooks.values():
+                hook(sharded)
+
+    def __repr__(self) -> str:
+        return f"FSDPParam(fqn={self.param_fqn}, orig_size={tuple(self.orig_size)})"

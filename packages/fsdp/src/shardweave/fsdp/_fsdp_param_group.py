@@ -1,0 +1,521 @@
+"""FSDPParamGroup: the parameters communicated together, and the comm context groups share.
+
+Design note: flat storage
+    A group whose shards share one dtype and device keeps them in one flat buffer per rank; each
+    parameter's padded shard is a slice of it and the registered DTensor's local tensor a view of
+    that slice. The optimizer therefore updates the flat buffer in place, and the all-gather
+    reads it directly: no per-parameter copy-in on each unshard (torch's FSDP2 copies every
+    shard into a staging buffer each time). Groups with mixed dtypes, or whose storage is
+    replaced (``to_empty``, ``load_state_dict(assign=True)``), are re-flattened at the next
+    lazy init or ``reset``; until then they use the per-parameter copy-in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from shardweave.fsdp._fsdp_collectives import (
+    AllGatherResult,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    all_gather_copy_in,
+    all_gather_copy_out,
+    foreach_reduce,
+)
+from shardweave.fsdp._fsdp_common import (
+    ShardedState,
+    TrainingState,
+    collect_grad_tensors,
+    in_backward,
+    replace_grad_tensors,
+)
+from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
+from shardweave.mesh import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
+
+if TYPE_CHECKING:
+    from shardweave.fsdp._fsdp_api import (
+        AllGather,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        ReduceScatter,
+    )
+    from shardweave.mesh import DataParallelMeshInfo
+
+__all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
+
+
+class FSDPCommContext:
+    """Communication state shared by every group under one root."""
+
+    def __init__(self) -> None:
+        # Groups in post-forward order, with repetition: the implicit backward prefetch target
+        # of a group is the one whose forward finished just before it.
+        self.post_forward_order: list[FSDPParamGroup] = []
+        self.reduce_scatter_max_input_buffers = 1
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call on one mesh: one all-gather per unshard, one
+    reduce-scatter (plus the HSDP all-reduce) per backward."""
+
+    _training_state: TrainingState
+    _module_fqn: str | None
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        modules: tuple[nn.Module, ...],
+        mesh_info: FSDPMeshInfo,
+        post_forward_mesh_info: FSDPMeshInfo | None,
+        device: torch.device,
+        shard_placements: Sequence[Any],
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+    ) -> None:
+        from shardweave.fsdp._fsdp_api import CPUOffloadPolicy
+
+        self.modules = modules
+        self.mesh_info = mesh_info
+        self.post_forward_mesh_info = post_forward_mesh_info
+        self.device = device
+        self.mp_policy = mp_policy
+        offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self.offload_policy = offload_policy
+        infos = param_module_infos(params, modules)
+        self.fsdp_params = [
+            FSDPParam(
+                param,
+                info,
+                mesh_info,
+                post_forward_mesh_info,
+                device,
+                placement,
+                offload,
+                offload and getattr(offload_policy, "pin_memory", False),
+            )
+            for param, info, placement in zip(params, infos, shard_placements, strict=True)
+        ]
+        self.comm_ctx = FSDPCommContext()
+        self._training_state = TrainingState.IDLE
+        self._sharded_state = ShardedState.SHARDED
+        self._module_fqn = None
+        self._param_group_index = 0
+        self._num_param_groups = 1
+        self._flat_sharded: torch.Tensor | None = None  # 1D; see Design note: flat storage
+        self._all_gather_result: AllGatherResult | None = None
+        self._partial_reduce_output: torch.Tensor | None = None
+        self._post_forward_indices: list[int] = []
+        self._lazy_inited = False
+        self._orig_dtype: torch.dtype | None = None
+        self._reduce_dtype: torch.dtype | None = None
+        # Set at lazy init: the one param_dtype every param wants, and whether the flat fast
+        # path applies (it casts the whole buffer at once, so all params must agree).
+        self._uniform_param_dtype: torch.dtype | None = None
+        self._param_dtypes_uniform = False
+        self._state_dict_handles: list[RemovableHandle] = []
+        # Controls (FSDPModule setters); defaults as torch's FSDP2.
+        self.reduce_grads = True
+        self.all_reduce_grads = True
+        self.reshard_after_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction_for_comms = False
+        self.reduce_scatter_unused_params = False
+        self.reduce_scatter_max_input_buffers = 1
+        self.unshard_in_backward = True
+        self.unshard_async_op = False
+        self._all_gather_comm: AllGather = DefaultAllGather()
+        self._reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
+        self._all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self._flatten_sharded_storage()
+
+    # --- initialization -----------------------------------------------------------------------
+    def _flatten_sharded_storage(self) -> None:
+        """Move every shard into one flat buffer when they share dtype and device."""
+        params = self.fsdp_params
+        datas = [p.sharded_param_data for p in params]
+        self._flat_sharded = None
+        if not datas or len({(d.dtype, d.device) for d in datas}) != 1:
+            return
+        if datas[0].device.type == "meta":
+            return  # materialized later (to_empty), then flattened at lazy init
+        flat = torch.empty(sum(d.numel() for d in datas), dtype=datas[0].dtype, device=datas[0].device)
+        if self.fsdp_params[0].pin_memory and flat.device.type == "cpu":
+            flat = flat.pin_memory()
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.padded_sharded_numel
+                p.rebind_sharded_storage(flat.narrow(0, offset, n))
+                offset += n
+        self._flat_sharded = flat
+
+    def reset_sharded_params(self) -> None:
+        """Re-adopt the registered shards (after ``_apply`` or an assign-load) and re-flatten."""
+        changed = [p.reset_sharded_param() for p in self.fsdp_params]
+        if any(changed) or self._flat_sharded is None:
+            self._flatten_sharded_storage()
+
+    def lazy_init(self) -> None:
+        if self._lazy_inited:
+            return
+        self.reset_sharded_params()
+        self._validate_no_meta_params()
+        self._validate_cpu_offload_params()
+        self._init_mp_dtypes()
+        self._register_state_dict_hooks()
+        self._lazy_inited = True
+
+    def _init_mp_dtypes(self) -> None:
+        for p in self.fsdp_params:
+            p.init_dtype_attrs(self.mp_policy)
+        trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
+        orig = {p.orig_dtype for p in trainable}
+        if len(orig) > 1:
+            raise AssertionError(
+                f"FSDP expects uniform original parameter dtype but got {orig} in group "
+                f"'{self._module_fqn}'; cast the module to one dtype or split it into groups"
+            )
+        reduce = {p.reduce_dtype for p in trainable}
+        if len(reduce) > 1:
+            raise AssertionError(
+                f"FSDP expects uniform reduce dtype but got {reduce} in group '{self._module_fqn}'"
+            )
+        self._orig_dtype = next(iter(orig)) if trainable else None
+        self._reduce_dtype = next(iter(reduce)) if trainable else None
+        params = self.fsdp_params
+        dtypes = {p.param_dtype for p in params}
+        # The flat fast path casts the whole buffer at once, so every param must want the same.
+        self._param_dtypes_uniform = len(dtypes) == 1
+        self._uniform_param_dtype = next(iter(dtypes)) if self._param_dtypes_uniform else None
+
+    def _validate_no_meta_params(self) -> None:
+        meta = [p.param_fqn for p in self.fsdp_params if p.sharded_param.device.type == "meta"]
+        if meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {meta}\n"
+                "For example, call module.to_empty(device) to materialize to device and "
+                "call module.reset_parameters() on each module to initialize values."
+            )
+
+    def _validate_cpu_offload_params(self) -> None:
+        if not self.fsdp_params or not self.fsdp_params[0].offload_to_cpu:
+            return
+        bad = [
+            (p.param_fqn, str(p.sharded_param.device))
+            for p in self.fsdp_params
+            if p.sharded_param.device.type != "cpu"
+        ]
+        if bad:
+            raise RuntimeError(
+                "FSDP parameters should be on CPU when using CPU offloading, but got "
+                f"(fqn, device): {bad}; call module.cpu() or load the state dict to CPU first"
+            )
+
+    def _register_state_dict_hooks(self) -> None:
+        if self._state_dict_handles:
+            return
+        owners = {p._module_info.module for p in self.fsdp_params}
+
+        def to_sharded(*args: Any, **kwargs: Any) -> None:
+            # State dicts hold the sharded DTensors; an unsharded module reshards first.
+            self._to_sharded()
+
+        for module in owners:
+            self._state_dict_handles.append(
+                module.register_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
+            )
+            self._state_dict_handles.append(
+                module._register_load_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
+            )
+
+    # --- unshard / reshard --------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue this group's all-gather (no-op if unsharded or already in flight)."""
+        if self._all_gather_result is not None or self.is_unsharded:
+            return
+        if not self._lazy_inited:
+            self.lazy_init()
+        post_forward = self._sharded_state == ShardedState.SHARDED_POST_FORWARD
+        info = self.post_forward_mesh_info if post_forward else self.mesh_info
+        assert info is not None
+        flat = self._flat_sharded if self._param_dtypes_uniform else None
+        inp, sizes, as_bytes = all_gather_copy_in(
+            self.fsdp_params, flat, self._uniform_param_dtype, self.device, post_forward
+        )
+        world = info.shard_mesh_size
+        work: dist.Work | None = None
+        if world == 1:
+            output = inp
+        else:
+            output = self._all_gather_comm.allocate(
+                (world * inp.numel(),), dtype=inp.dtype, device=self.device
+            )
+            # Always asynchronous: the wait happens at wait_for_unshard, so a prefetched
+            # all-gather overlaps compute even on gloo (which runs collectives on its own thread).
+            work = self._all_gather_comm(
+                output_tensor=output,
+                input_tensor=inp,
+                group=info.shard_process_group,
+                async_op=True,
+            )
+        self._all_gather_result = AllGatherResult(
+            output, work, world, sizes, as_bytes, post_forward
+        )
+
+    def wait_for_unshard(self) -> None:
+        """Finish the in-flight all-gather: copy out and register the unsharded parameters."""
+        result = self._all_gather_result
+        if result is None:
+            return
+        if result.work is not None:
+            result.work.wait()
+        self._all_gather_result = None
+        outs = tuple(p.alloc_all_gather_output() for p in self.fsdp_params)
+        # See Design note: storage resize (FSDPParam). Refilling must not bump the version
+        # counter, or autograd would reject the parameters it saved in forward.
+        with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):
+            all_gather_copy_out(result, self.fsdp_params)
+        for p in self.fsdp_params:
+            p.init_unsharded_param()
+            p.to_unsharded()
+        self._sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self._training_state == TrainingState.FORWARD:
+            if self.post_forward_mesh_info is None:
+                return  # reshard_after_forward=False
+            if self.post_forward_mesh_info is not self.mesh_info:
+                self._to_sharded_post_forward()
+                return
+        self._to_sharded()
+
+    def _to_sharded(self) -> None:
+        if self._sharded_state != ShardedState.SHARDED:
+            for p in self.fsdp_params:
+                p.to_sharded()
+            self._sharded_state = ShardedState.SHARDED
+
+    def _to_sharded_post_forward(self) -> None:
+        if self._sharded_state == ShardedState.UNSHARDED:
+            for p in self.fsdp_params:
+                p.to_sharded_post_forward()
+            self._sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._sharded_state == ShardedState.UNSHARDED
+
+    @property
+    def is_sharded(self) -> bool:
+        return self._sharded_state == ShardedState.SHARDED
+
+    # --- hooks --------------------------------------------------------------------------------
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        entering = self._training_state != TrainingState.FORWARD
+        self._training_state = TrainingState.FORWARD
+        self.unshard(self.unshard_async_op)
+        self.wait_for_unshard()
+        if entering:
+            args, kwargs = self._register_post_backward_hook(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module | None, input: Any, output: Any) -> Any:
+        if not in_backward():  # a checkpoint recompute must not reshard or reorder
+            self.reshard()
+            index = len(self.comm_ctx.post_forward_order)
+            self.comm_ctx.post_forward_order.append(self)
+            self._post_forward_indices.append(index)
+        self._training_state = TrainingState.IDLE
+        return output
+
+    def pre_backward(self, default_prefetch: bool) -> None:
+        if self._training_state == TrainingState.PRE_BACKWARD:
+            return
+        self._training_state = TrainingState.PRE_BACKWARD
+        if self.unshard_in_backward:
+            self.unshard(self.unshard_async_op)
+            self.wait_for_unshard()
+        if default_prefetch:
+            self._backward_prefetch()
+
+    def post_backward(self) -> None:
+        """Reshard and reduce this group's gradients (idempotent for unused groups)."""
+        self._training_state = TrainingState.POST_BACKWARD
+        for p in self.fsdp_params:
+            p.accumulate_unsharded_grad_if_needed()
+        if not self.reduce_grads:
+            if self.reshard_after_backward:
+                self.reshard()
+            for p in self.fsdp_params:
+                p.to_accumulated_grad_if_needed()
+            return
+        with_grad: list[FSDPParam] = []
+        grads: list[torch.Tensor] = []
+        for p in self.fsdp_params:
+            grad = p.take_unsharded_grad(self.reduce_scatter_unused_params)
+            if grad is not None:
+                with_grad.append(p)
+                grads.append(grad)
+        if self.reshard_after_backward:
+            self.reshard()
+        if not with_grad:
+            return
+        assert self._orig_dtype is not None
+        self._partial_reduce_output = foreach_reduce(
+            with_grad,
+            grads,
+            self._reduce_scatter_group,
+            self._reduce_scatter_comm,
+            self._orig_dtype,
+            self._reduce_dtype,
+            self.device,
+            self.gradient_divide_factor,
+            self._all_reduce_group,
+            self.all_reduce_grads,
+            self._partial_reduce_output,
+            self._all_reduce_hook,
+            self.force_sum_reduction_for_comms,
+        )
+
+    def finalize_backward(self) -> None:
+        result = self._all_gather_result
+        if result is not None:
+            # A prefetch nobody consumed (mistargeted): finish it so the buffer is released.
+            if result.work is not None:
+                result.work.wait()
+            self._all_gather_result = None
+        self._post_forward_indices.clear()
+
+    def reset_iter_state(self) -> None:
+        """Drop in-flight work and pending reductions after a failed step."""
+        result = self._all_gather_result
+        if result is not None and result.work is not None:
+            with contextlib.suppress(Exception):
+                result.work.wait()
+        self._all_gather_result = None
+        self._partial_reduce_output = None
+        self._post_forward_indices.clear()
+        for p in self.fsdp_params:
+            p.unsharded_accumulated_grad = None
+            if p.has_unsharded_param:
+                p.unsharded_param.grad = None
+        self._training_state = TrainingState.IDLE
+        self._to_sharded()
+
+    def _backward_prefetch(self) -> None:
+        if not self._post_forward_indices:
+            return  # cleared by an earlier backward through the same forward
+        index = self._post_forward_indices.pop()
+        order = self.comm_ctx.post_forward_order
+        if self._num_param_groups > 1:
+            # Several groups in one state (per-parameter meshes): only the second group
+            # prefetches, every group of the module that ran just before this one.
+            if self._param_group_index != 1:
+                return
+            target_modules: tuple[nn.Module, ...] | None = None
+            for i in range(index - 1, -1, -1):
+                target = order[i]
+                if target.modules is self.modules:
+                    continue
+                if target_modules is None:
+                    target_modules = target.modules
+                elif target.modules is not target_modules:
+                    break
+                target.prefetch_unshard(TrainingState.PRE_BACKWARD)
+        elif index > 0:
+            order[index - 1].prefetch_unshard(TrainingState.PRE_BACKWARD)
+
+    def prefetch_unshard(self, training_state: TrainingState) -> None:
+        with self.use_training_state(training_state):
+            self.unshard(self.unshard_async_op)
+
+    @contextlib.contextmanager
+    def use_training_state(self, state: TrainingState) -> Iterator[None]:
+        previous = self._training_state
+        self._training_state = state
+        try:
+            yield
+        finally:
+            self._training_state = previous
+
+    def _register_post_backward_hook(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        inputs = collect_grad_tensors((args, kwargs))
+        if not inputs:
+            return args, kwargs
+        outputs = RegisterPostBackwardFunction.apply(self, *inputs)  # type: ignore[no-untyped-call]
+        new_args, new_kwargs = replace_grad_tensors((args, kwargs), iter(outputs))
+        return new_args, new_kwargs
+
+    # --- process groups -----------------------------------------------------------------------
+    @property
+    def _reduce_scatter_group(self) -> dist.ProcessGroup | None:
+        info = self.mesh_info
+        return info.reduce_scatter_process_group or info.shard_process_group
+
+    @property
+    def _all_reduce_group(self) -> dist.ProcessGroup | None:
+        info: DataParallelMeshInfo = self.mesh_info
+        if isinstance(info, (HSDPMeshInfo, DDPMeshInfo)):
+            return info.replicate_process_group
+        return None
+
+    def with_fqn(self, label: str) -> str:
+        return f"{label} ({self._module_fqn})" if self._module_fqn else label
+
+    def __repr__(self) -> str:
+        return f"FSDPParamGroup(fqn={self._module_fqn}, params={len(self.fsdp_params)})"
+
+
+class RegisterPostBackwardFunction(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs the group's post-backward, i.e. once
+    gradients for everything the module computed (its parameters included) are ready."""
+
+    @staticmethod
+    def forward(ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.group.post_backward()
+        return (None, *grads)
+
+
+def param_module_infos(
+    params: Sequence[nn.Parameter], modules: tuple[nn.Module, ...]
+) -> list[ParamModuleInfo]:
+    """Where each parameter lives, including every alias of a tied parameter or shared module."""
+    wanted = set(params)
+    infos: dict[nn.Parameter, ParamModuleInfo] = {}
+    for module in modules:
+        for _, submodule in module.named_modules(remove_duplicate=False):
+            for name, param in submodule._parameters.items():
+                if param not in wanted:  # also skips slots registered as None
+                    continue
+                info = infos.get(param)
+                if info is None:
+                    infos[param] = ParamModuleInfo(submodule, name)
+                elif not (info.module is submodule and info.param_name == name) and not any(
+                    m is submodule and n == name
+                    for m, n in zip(info.shared_modules, info.shared_param_names, strict=True)
+                ):
+                    info.shared_modules.append(submodule)
+                    info.shared_param_names.append(name)
+    missing = [p for p in params if p not in infos]
+    if missing:
+        raise AssertionError(f"{len(missing)} parameters are not in the module tree of {modules}")
+    return [infos[p] for p in params]

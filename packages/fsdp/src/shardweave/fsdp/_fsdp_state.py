@@ -1,0 +1,378 @@
+"""FSDPState: the hooks of one ``fully_shard`` call and the root's per-iteration duties."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+from shardweave.fsdp._consistency import check_ranks_agree, describe_groups
+from shardweave.fsdp._fsdp_common import (
+    TrainingState,
+    apply_to_tensors,
+    cast_floating,
+    collect_grad_tensors,
+)
+from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
+
+if TYPE_CHECKING:
+    from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+    from shardweave.mesh import DataParallelMeshInfo
+
+__all__ = ["FSDPState", "FSDPStateContext", "get_fsdp_state"]
+
+# Where a module's state lives. A weak map, so sharding a module never keeps it alive.
+_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
+
+
+def get_fsdp_state(module: nn.Module) -> FSDPState | None:
+    return _STATES.get(module)
+
+
+class FSDPStateContext:
+    """Per-iteration state shared by every FSDPState under one root."""
+
+    def __init__(self) -> None:
+        self.all_states: list[FSDPState] = []
+        # The state whose forward started this iteration's forward pass; it finishes grouped
+        # states that did not run and releases forward-only resources at its post-forward.
+        self.iter_forward_root: FSDPState | None = None
+        self.post_backward_final_callback_queued = False
+        self.is_last_backward = True
+        self.post_optim_event: torch.Event | None = None
+
+
+class FSDPState:
+    """Hooks and root logic for the module(s) of one ``fully_shard`` call."""
+
+    api_name = "fully_shard"
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        mesh_info: DataParallelMeshInfo,
+        auto_reshard_after_forward: bool,
+    ) -> None:
+        self._modules = modules
+        self._device = device
+        self._mp_policy = mp_policy
+        self._mesh_info = mesh_info
+        self._auto_reshard_after_forward = auto_reshard_after_forward
+        self._fsdp_param_groups: list[FSDPParamGroup] = []
+        self._is_root: bool | None = None
+        self._state_ctx = FSDPStateContext()
+        self._comm_ctx = FSDPCommContext()
+        self._training_state = TrainingState.IDLE
+        self._states_to_forward_prefetch: list[FSDPState] = []
+        self._states_to_backward_prefetch: list[FSDPState] = []
+        self._modules_to_run_forward: set[nn.Module] = set()
+        self._hook_handles: list[RemovableHandle] = []
+        for module in modules:
+            if module in _STATES:
+                raise AssertionError(
+                    f"{self.api_name}: {type(module).__name__} is already managed by "
+                    f"{_STATES[module].api_name}; each distinct composable distributed API "
+                    "can only be applied to a module once"
+                )
+        for module in modules:
+            _STATES[module] = self
+        self._register_forward_hooks()
+
+    def detach(self) -> None:
+        """Undo the registration (a failed ``fully_shard`` leaves the modules untouched)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        for module in self._modules:
+            if _STATES.get(module) is self:
+                del _STATES[module]
+
+    # --- hook registration --------------------------------------------------------------------
+    def _register_forward_hooks(self) -> None:
+        modules = self._modules
+        if len(modules) == 1:
+            module = modules[0]
+            self._hook_handles.append(
+                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            )
+            self._hook_handles.append(module.register_forward_hook(self._post_forward))
+            return
+        # fully_shard([a, b]): one group, several modules, possibly not all run per pass.
+        every = set(modules)
+
+        def pre_hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if not self._modules_to_run_forward:
+                self._modules_to_run_forward.update(every)
+            return self._pre_forward(module, args, kwargs)
+
+        def make_post_hook(owner: nn.Module) -> Callable[[nn.Module, Any, Any], Any]:
+            def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+                if owner in self._modules_to_run_forward:
+                    self._modules_to_run_forward.discard(owner)
+                    if not self._modules_to_run_forward:
+                        return self._post_forward(module, args, output)
+                return self._cast_output(output)
+
+            return post_hook
+
+        for module in modules:
+            self._hook_handles.append(
+                module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
+            )
+            self._hook_handles.append(
+                module.register_forward_hook(make_post_hook(module), always_call=True)
+            )
+
+    # --- lazy init ----------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        if self._is_root is not None:
+            return  # already a root, or adopted by one
+        if len(self._modules) > 1:
+            raise RuntimeError(
+                f"{self.api_name} requires a single root module but got {len(self._modules)} "
+                "modules; call forward through a module that contains them all (and apply "
+                f"{self.api_name} to it) first"
+            )
+        self._is_root = True
+        root = self._modules[0]
+        ctx = self._state_ctx
+        ctx.all_states = []
+        for name, module in root.named_modules():
+            state = get_fsdp_state(module)
+            if state is None or not isinstance(state, type(self).state_class_for_root()):
+                continue
+            if state in ctx.all_states:
+                continue
+            if state is not self:
+                if state._is_root is not None:
+                    raise RuntimeError(
+                        f"{self.api_name} state already lazily initialized for '{name}'; "
+                        f"{self.api_name} requires running forward through the root module "
+                        "first"
+                    )
+                state._is_root = False
+            ctx.all_states.append(state)
+        if self._auto_reshard_after_forward:
+            # The root is all-gathered again right at backward's start: keep it unsharded.
+            for group in self._fsdp_param_groups:
+                group.post_forward_mesh_info = None
+        self._init_fqns()
+        self._init_shared_state()
+        self._validate_no_duplicate_params()
+        for state in ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.lazy_init()
+        groups = [g for s in ctx.all_states for g in s._fsdp_param_groups]
+        check_ranks_agree(
+            describe_groups(groups, repr(self._mp_policy), self.api_name),
+            self._mesh_info,
+            self._device,
+            self.api_name,
+        )
+
+    @classmethod
+    def state_class_for_root(cls) -> type[FSDPState]:
+        """The states a root of this class adopts (replicate roots adopt only replicate)."""
+        return FSDPState
+
+    def _init_fqns(self) -> None:
+        root = self._modules[0]
+        by_param: dict[nn.Parameter, Any] = {}
+        by_module: dict[nn.Module, list[FSDPParamGroup]] = {}
+        for state in self._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group._module_fqn = None
+                for p in group.fsdp_params:
+                    by_param[p.sharded_param] = p
+                for module in group.modules:
+                    by_module.setdefault(module, []).append(group)
+        for name, param in root.named_parameters():
+            if param in by_param:
+                by_param[param].param_fqn = name
+        for name, module in root.named_modules():
+            for group in by_module.get(module, []):
+                group._module_fqn = name if group._module_fqn is None else f"{group._module_fqn}, {name}"
+
+    def _init_shared_state(self) -> None:
+        for state in self._state_ctx.all_states:
+            state._state_ctx = self._state_ctx
+            state._comm_ctx = self._comm_ctx
+            count = len(state._fsdp_param_groups)
+            for i, group in enumerate(state._fsdp_param_groups):
+                group.comm_ctx = self._comm_ctx
+                group._param_group_index = i
+                group._num_param_groups = count
+        self._comm_ctx.reduce_scatter_max_input_buffers = max(
+            (
+                g.reduce_scatter_max_input_buffers
+                for s in self._state_ctx.all_states
+                for g in s._fsdp_param_groups
+            ),
+            default=1,
+        )
+
+    def _validate_no_duplicate_params(self) -> None:
+        seen: dict[int, str] = {}
+        for state in self._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                for p in group.fsdp_params:
+                    if p.orig_param_uid in seen:
+                        raise ValueError(
+                            f"Parameter '{p.param_fqn}' is shared with a parameter already "
+                            f"managed by another FSDP group ('{seen[p.orig_param_uid]}'). For "
+                            "shared/tied parameters, use fully_shard([module_a, module_b]) to "
+                            "place them in the same FSDP group."
+                        )
+                    seen[p.orig_param_uid] = p.param_fqn
+
+    # --- forward ------------------------------------------------------------------------------
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._training_state == TrainingState.PRE_BACKWARD:
+            # Activation-checkpoint recompute inside backward: just make the params available.
+            for group in self._fsdp_param_groups:
+                if not group.is_unsharded:
+                    group.unshard()
+                    group.wait_for_unshard()
+            return self._cast_inputs(args, kwargs)
+        first_in_pass = self._training_state != TrainingState.FORWARD
+        self._training_state = TrainingState.FORWARD
+        if first_in_pass:
+            self._root_pre_forward()
+        args, kwargs = self._cast_inputs(args, kwargs)
+        for group in self._fsdp_param_groups:
+            args, kwargs = group.pre_forward(module, args, kwargs)
+        if first_in_pass:
+            for state in self._states_to_forward_prefetch:
+                for group in state._fsdp_param_groups:
+                    group.prefetch_unshard(TrainingState.FORWARD)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        self._lazy_init()
+        if self._state_ctx.iter_forward_root is not None:
+            return
+        self._state_ctx.iter_forward_root = self
+        # On CPU everything runs on one stream, so the post-optimizer event needs no wait.
+        self._state_ctx.post_optim_event = None
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._training_state == TrainingState.PRE_BACKWARD:
+            return self._cast_output(output)
+        for group in self._fsdp_param_groups:
+            output = group.post_forward(module, args, output)
+        self._register_pre_backward_hook(output)
+        self._training_state = TrainingState.IDLE
+        if self._state_ctx.iter_forward_root is self:
+            self._complete_unfinished_states(output)
+            self._state_ctx.iter_forward_root = None
+        return self._cast_output(output)
+
+    def _complete_unfinished_states(self, output: Any) -> None:
+        """Finish grouped states some of whose modules did not run (e.g. a chunked-loss head)."""
+        for state in reversed(self._state_ctx.all_states):
+            if state is self or not state._modules_to_run_forward:
+                continue
+            for group in state._fsdp_param_groups:
+                group.post_forward(None, None, output)
+            state._register_pre_backward_hook(output)
+            state._training_state = TrainingState.IDLE
+            state._modules_to_run_forward.clear()
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        dtype = self._mp_policy.param_dtype
+        if not (self._mp_policy.cast_forward_inputs and dtype is not None):
+            return args, kwargs
+        cast = cast_floating(dtype)
+        return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self._mp_policy.output_dtype
+        if dtype is None:
+            return output
+        return apply_to_tensors(cast_floating(dtype), output)
+
+    # --- backward -----------------------------------------------------------------------------
+    def _register_pre_backward_hook(self, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for tensor in collect_grad_tensors(output):
+            if tensor._base is not None:
+                names = ", ".join(type(m).__name__ for m in self._modules)
+                warnings.warn(
+                    f"{self.api_name}-wrapped module ({names}) returned a view tensor; an "
+                    "in-place op on it (x += y) drops the pre-backward hook and skips the "
+                    "all-gather. Use out-of-place ops or .clone() the output first.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self._training_state = TrainingState.PRE_BACKWARD
+        self._queue_final_callback()
+        default_prefetch = not self._states_to_backward_prefetch
+        for group in self._fsdp_param_groups:
+            group.pre_backward(default_prefetch)
+        for state in self._states_to_backward_prefetch:
+            for group in reversed(state._fsdp_param_groups):
+                group.prefetch_unshard(TrainingState.PRE_BACKWARD)
+        return grad
+
+    def _queue_final_callback(self) -> None:
+        ctx = self._state_ctx
+        if ctx.post_backward_final_callback_queued:
+            return
+        ctx.post_backward_final_callback_queued = True
+        Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
+
+    def _root_post_backward_final_callback(self) -> None:
+        ctx = self._state_ctx
+        try:
+            ctx.iter_forward_root = None
+            for state in ctx.all_states:
+                state._modules_to_run_forward.clear()
+                for group in reversed(state._fsdp_param_groups):
+                    if group._training_state != TrainingState.POST_BACKWARD:
+                        # Inputs needed no grad, or the module was unused: reduce what exists.
+                        group.post_backward()
+                    group._training_state = TrainingState.IDLE
+                state._training_state = TrainingState.IDLE
+                if ctx.is_last_backward:
+                    for group in state._fsdp_param_groups:
+                        group.finalize_backward()
+            if ctx.is_last_backward:
+                self._comm_ctx.post_forward_order.clear()
+        finally:
+            ctx.post_backward_final_callback_queued = False
+
+    # --- recovery -----------------------------------------------------------------------------
+    def reset_iter_state(self) -> None:
+        if self._is_root is False:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root {self.api_name} module"
+            )
+        ctx = self._state_ctx
+        states: Sequence[FSDPState] = ctx.all_states or [self]
+        self._comm_ctx.post_forward_order.clear()
+        for state in states:
+            state._modules_to_run_forward.clear()
+            state._training_state = TrainingState.IDLE
+            for group in state._fsdp_param_groups:
+                group.reset_iter_state()
+        ctx.iter_forward_root = None
+        ctx.post_backward_final_callback_queued = False
+
