@@ -17,7 +17,8 @@ from shardweave.fsdp._fsdp_common import (
     chunk_with_empty,
     dim_chunked_size,
 )
-from shardweave.mesh import HSDPMeshInfo, MissingExtensionError
+from shardweave.mesh import HSDPMeshInfo
+from shardweave.mesh.extension_points import PARAM_HANDLING
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
@@ -130,10 +131,12 @@ class FSDPParam:
     # --- construction -------------------------------------------------------------------------
     def _init_sharded_param(self, param: nn.Parameter, placement: Shard | None) -> None:
         if isinstance(param, DTensor):
-            raise MissingExtensionError(
-                f"fully_shard: parameter '{self.param_fqn}' is a DTensor (tensor parallel); "
-                "sharding DTensor parameters needs the 'shardweave.param_handling' plugin for "
-                "DTensor. Install it with `pip install shardweave-extensions`."
+            # DTensor parameters (tensor parallel) are sharded by a plugin; without one this
+            # raises MissingExtensionError naming the package to install.
+            PARAM_HANDLING.get_for_type(type(param), what=f"parameter '{self.param_fqn}'")
+            raise NotImplementedError(
+                f"fully_shard: parameter '{self.param_fqn}' is a DTensor; this version of the "
+                "engine does not yet shard DTensor (tensor-parallel) parameters"
             )
         if param.ndim == 0:
             raise ValueError(

@@ -17,18 +17,25 @@ from shardweave.mesh._mesh_info import (
     FSDPMeshInfo,
     HSDPMeshInfo,
 )
-from shardweave.mesh._registry import ExtensionPoint, MissingExtensionError
+from shardweave.mesh._registry import (
+    ExtensionLoadError,
+    ExtensionPoint,
+    MissingExtensionError,
+    RegistrySnapshot,
+)
 from shardweave.mesh._version import __version__
 
 __all__ = [
     "DDPMeshInfo",
     "DataParallelMeshDims",
     "DataParallelMeshInfo",
+    "ExtensionLoadError",
     "ExtensionPoint",
     "FSDPMeshInfo",
     "HSDPMeshInfo",
     "MeshValidationError",
     "MissingExtensionError",
+    "RegistrySnapshot",
     "__version__",
     "default_mesh",
     "mesh_device",

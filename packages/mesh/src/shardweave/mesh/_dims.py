@@ -85,9 +85,7 @@ def default_mesh(mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
     if not dist.is_initialized():
         dist.init_process_group()
     device_type = torch._C._get_accelerator().type
-    return init_device_mesh(
-        device_type, (dist.get_world_size(),), mesh_dim_names=mesh_dim_names
-    )
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=mesh_dim_names)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

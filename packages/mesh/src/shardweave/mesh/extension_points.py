@@ -1,0 +1,211 @@
+"""The extension points the shardweave engine looks up, and the Protocols their plugins satisfy.
+
+The FSDP engine and the plugins meet only here: the engine asks a point for a plugin, a
+distribution provides one through the point's entry-point group in its ``pyproject.toml``::
+
+    [project.entry-points."shardweave.all_gather"]
+    float8 = "my_package.all_gather:Float8AllGather"   # a zero-argument factory
+
+or code registers one explicitly (which wins over discovery)::
+
+    from shardweave.mesh.extension_points import ALL_GATHER
+
+    ALL_GATHER.register("float8", Float8AllGather())
+
+Type-keyed points (``handled_type``) are looked up with ``get_for_type(type(tensor))``, so a
+plugin for a class also covers its subclasses. Torch compatibility first: a tensor subclass
+that already defines torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` is used as-is;
+these points are for types you cannot edit.
+
+Design note: tensor vocabulary
+    *sharded*: this rank's piece of a parameter, what FSDP keeps between steps.
+    *unsharded*: the whole parameter, rebuilt from the all-gather for forward and backward.
+    *all-gather input / output*: the tensors one rank contributes to, and receives from, the
+    all-gather; usually the sharded local tensor and the gathered flat tensor, but an
+    ``AllGatherExtension`` may send several tensors (a payload and its scales) per parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
+
+from shardweave.mesh._mesh_info import DataParallelMeshInfo
+from shardweave.mesh._registry import ExtensionPoint
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
+
+__all__ = [
+    "ALL_GATHER",
+    "COLLECTIVES",
+    "PARAM_HANDLING",
+    "STATE_DICT",
+    "AllGatherExtension",
+    "Collectives",
+    "ParamHandler",
+    "StateDictTransform",
+]
+
+
+@runtime_checkable
+class ParamHandler(Protocol):
+    """How FSDP shards one parameter of ``handled_type`` and rebuilds it.
+
+    Provisional: the engine's needs may still change this Protocol before 1.0.
+
+    The engine shards ``local_tensor(param)`` on dim ``shard_dim`` over the shard dim of
+    the mesh info, all-gathers it for forward and backward, and calls ``unsharded`` to turn
+    the gathered tensor back into a parameter of the original kind. The built-in handler
+    (plain ``torch.Tensor``) returns tensors unchanged and shards on the data-parallel mesh;
+    ``shardweave-extensions`` handles DTensor parameters with tensor-parallel placements.
+    """
+
+    handled_type: type
+    """The parameter class this handler decides for (subclasses included)."""
+
+    def local_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """The data FSDP shards: ``param`` itself, or, say, a DTensor's local tensor."""
+        ...
+
+    def sharded_spec(
+        self, param: torch.Tensor, mesh_info: DataParallelMeshInfo, shard_dim: int
+    ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        """The global mesh and placements of the FSDP-sharded DTensor for ``param``.
+
+        For a plain tensor that is ``mesh_info.mesh`` with ``(Shard(shard_dim),)`` (HSDP:
+        ``(Replicate(), Shard(shard_dim))``); for a tensor-parallel DTensor it is the full
+        SPMD mesh with the data-parallel placements in front of the TP ones.
+        """
+        ...
+
+    def unsharded(self, param_like: torch.Tensor, local_unsharded: torch.Tensor) -> torch.Tensor:
+        """The unsharded parameter rebuilt from the all-gathered ``local_unsharded``.
+
+        ``param_like`` is the original parameter (or one distributed the same way), the
+        template for what to rebuild, e.g. which TP mesh and placements to wrap into.
+        """
+        ...
+
+    def reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The local tensor to reduce-scatter, from the unsharded parameter's gradient."""
+        ...
+
+
+@runtime_checkable
+class AllGatherExtension(Protocol):
+    """What a tensor subclass contributes to the all-gather, and how it is rebuilt after.
+
+    For tensor classes that do not define torch's ``fsdp_pre_all_gather`` /
+    ``fsdp_post_all_gather`` themselves (those are used as-is).
+    """
+
+    handled_type: type
+    """The tensor subclass this extension gathers (subclasses included)."""
+
+    def pre_all_gather(
+        self, local: torch.Tensor, mesh: DeviceMesh
+    ) -> tuple[tuple[torch.Tensor, ...], object]:
+        """The all-gather inputs for this rank's sharded ``local`` tensor, plus metadata.
+
+        The metadata (any object) is handed back to ``post_all_gather`` unchanged.
+        """
+        ...
+
+    def post_all_gather(
+        self, outs: Sequence[torch.Tensor], meta: object, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The unsharded tensor (of ``dtype``) from the all-gather outputs, in input order."""
+        ...
+
+
+@runtime_checkable
+class StateDictTransform(Protocol):
+    """How a tensor of ``handled_type`` is chunked for a sharded state dict and gathered back."""
+
+    handled_type: type
+    """The tensor class this transform chunks (subclasses included)."""
+
+    def chunk(
+        self, full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
+    ) -> torch.Tensor:
+        """This rank's chunk of the unsharded ``full`` as a DTensor on ``mesh``/``placements``.
+
+        ``mesh`` and ``placements`` are those of the sharded parameter
+        (``ParamHandler.sharded_spec``); used to load a full state dict into sharded params.
+        """
+        ...
+
+    def gather(self, sharded: torch.Tensor) -> torch.Tensor:
+        """The unsharded tensor (of the parameter's original kind) from a sharded DTensor.
+
+        A collective: every rank of the sharded tensor's mesh must call it.
+        """
+        ...
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """The engine's collectives for one device type (the registry key, e.g. ``"cpu"``).
+
+    Each takes explicit buffers and a process group and never looks at modules. With
+    ``async_op=True`` return the ``Work`` to wait on, otherwise None (as c10d does).
+    """
+
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Gather every rank's ``input`` into ``output`` (``group.size()`` times as long, in rank order)."""
+        ...
+
+    def reduce_scatter_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Reduce ``input`` over ``group`` with ``op`` and keep this rank's chunk in ``output``."""
+        ...
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """Reduce ``tensor`` in place over ``group`` with ``op``."""
+        ...
+
+
+PARAM_HANDLING: Final[ExtensionPoint[ParamHandler]] = ExtensionPoint(
+    "shardweave.param_handling", ParamHandler, install="shardweave-extensions"
+)
+"""Per parameter type: how it is sharded and rebuilt (plain tensors are built in)."""
+
+ALL_GATHER: Final[ExtensionPoint[AllGatherExtension]] = ExtensionPoint(
+    "shardweave.all_gather", AllGatherExtension, install="shardweave-extensions"
+)
+"""Per tensor subclass: what it sends through the all-gather."""
+
+STATE_DICT: Final[ExtensionPoint[StateDictTransform]] = ExtensionPoint(
+    "shardweave.state_dict", StateDictTransform, install="shardweave-extensions"
+)
+"""Per tensor type: chunking for sharded state dicts and gathering back."""
+
+COLLECTIVES: Final[ExtensionPoint[Collectives]] = ExtensionPoint(
+    "shardweave.collectives", Collectives, install="shardweave-fsdp"
+)
+"""Per device type (key ``"cpu"``, ``"cuda"``, ...): the collectives the engine issues."""

@@ -1,0 +1,1 @@
+"""Tests of shardweave.mesh: mesh info types and the plugin registry."""

@@ -1,0 +1,1 @@
+"""shardweave.mesh tests that need no process group."""

@@ -1,0 +1,1 @@
+"""shardweave.mesh tests on a 4-rank gloo process group (2x2 meshes for HSDP)."""
