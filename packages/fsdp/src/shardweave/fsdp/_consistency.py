@@ -44,7 +44,7 @@ def describe_groups(groups: Sequence[FSDPParamGroup], mp_repr: str, api: str) ->
             f"shard={getattr(info, 'shard_mesh_size', 1)} "
             f"replicate={getattr(info, 'replicate_mesh_size', 1)} "
             f"reshard_after_forward={post_desc} mp={group.mp_policy} "
-            f"offload={type(group.offload_policy).__name__} params={len(group.fsdp_params)}"
+            f"offload={type(group.offload_policy).__name__}"
         )
         for p in group.fsdp_params:
             lines.append(
