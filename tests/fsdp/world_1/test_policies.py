@@ -32,7 +32,11 @@ def test_policy_defaults_match_torch() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"param_dtype": "bf16"}, {"reduce_dtype": 32}, {"output_dtype": torch.float32, "cast_forward_inputs": 1}],
+    [
+        {"param_dtype": "bf16"},
+        {"reduce_dtype": 32},
+        {"output_dtype": torch.float32, "cast_forward_inputs": 1},
+    ],
 )
 def test_mixed_precision_policy_rejects_non_dtypes(kwargs: dict[str, object]) -> None:
     with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
@@ -53,7 +57,12 @@ def test_mixed_precision_policy_rejects_non_dtypes(kwargs: dict[str, object]) ->
     ],
 )
 def test_gradient_divide_factors(
-    rs: int, ar: int, dtype: torch.dtype, factor: float | None, force_sum: bool, expected: tuple[object, ...]
+    rs: int,
+    ar: int,
+    dtype: torch.dtype,
+    factor: float | None,
+    force_sum: bool,
+    expected: tuple[object, ...],
 ) -> None:
     assert gradient_divide_factors(rs, ar, dtype, factor, force_sum) == expected
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -32,7 +31,9 @@ from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model, shard_b
 from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch, local_chunk
 
 
-def _step_both(model: nn.Module, ref: nn.Module, kind: str, step: int, rank: int, world: int) -> None:
+def _step_both(
+    model: nn.Module, ref: nn.Module, kind: str, step: int, rank: int, world: int
+) -> None:
     batches = [make_batch(kind, 1000 * step + r) for r in range(world)]
     loss_fn(kind, model(batches[rank]), batches[rank]).backward()
     (sum(loss_fn(kind, ref(b), b) for b in batches) / world).backward()  # type: ignore[union-attr]
@@ -133,7 +134,10 @@ def unused_module(rank: int, world: int) -> None:
         api(m.b)
         api(m)
     for step, use_b in enumerate((False, True, False)):
-        xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(step * 10 + r)) for r in range(world)]
+        xs = [
+            torch.randn(2, 4, generator=torch.Generator().manual_seed(step * 10 + r))
+            for r in range(world)
+        ]
         model(xs[rank], use_b).sum().backward()
         tmodel(xs[rank], use_b).sum().backward()
         (sum(ref(x, use_b).sum() for x in xs) / world).backward()  # type: ignore[union-attr]
@@ -286,12 +290,17 @@ def test_reset_iter_state_on_non_root_raises(world2: WorkerPool) -> None:
 @contextmanager
 def count_collectives() -> Iterator[Counter[str]]:
     counts: Counter[str] = Counter()
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+    originals = {
+        name: getattr(dist, name)
+        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")
+    }
 
     def wrap(name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             counts[name] += 1
-            counts[f"{name}_bytes"] += args[1].numel() * args[1].element_size() if name != "all_reduce" else 0
+            counts[f"{name}_bytes"] += (
+                args[1].numel() * args[1].element_size() if name != "all_reduce" else 0
+            )
             return fn(*args, **kwargs)
 
         return counted
@@ -307,7 +316,9 @@ def count_collectives() -> Iterator[Counter[str]]:
 
 def collective_counts(rank: int, world: int, reshard: bool | None) -> dict[str, int]:
     model = make_model("gpt")
-    shard_blocks(model, fully_shard, **({} if reshard is None else {"reshard_after_forward": reshard}))
+    shard_blocks(
+        model, fully_shard, **({} if reshard is None else {"reshard_after_forward": reshard})
+    )
     batch = make_batch("gpt", rank)
     loss_fn("gpt", model(batch), batch).backward()  # warm-up: lazy init's consistency check
     model.zero_grad()
@@ -324,7 +335,8 @@ def collective_counts(rank: int, world: int, reshard: bool | None) -> dict[str, 
     assert counts["all_reduce"] == 0
     # bytes: each all-gather sends this rank's padded shard; each reduce-scatter the full grads
     padded = sum(
-        p.to_local().numel() for p in model.parameters()  # unpadded lower bound
+        p.to_local().numel()
+        for p in model.parameters()  # unpadded lower bound
     )
     assert counts["all_gather_single_bytes"] >= padded * 4
     return dict(counts)

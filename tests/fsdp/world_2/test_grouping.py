@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 from torch import nn
-
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
 from shardweave.fsdp import fully_shard
 from tests._dist import WorkerPool
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model

@@ -38,7 +38,9 @@ def describe_groups(groups: Sequence[FSDPParamGroup], mp_repr: str, api: str) ->
     for index, group in enumerate(groups):
         info = group.mesh_info
         post = group.post_forward_mesh_info
-        post_desc = "none" if post is None else ("same" if post is info else str(post.shard_mesh_size))
+        post_desc = (
+            "none" if post is None else ("same" if post is info else str(post.shard_mesh_size))
+        )
         lines.append(
             f"group {index} '{group._module_fqn}': {type(info).__name__} "
             f"shard={getattr(info, 'shard_mesh_size', 1)} "
@@ -79,16 +81,35 @@ def check_ranks_agree(
         if bool((rows == rows[0]).all()):
             continue
         # Someone differs: every rank sees the same digests, so all take this path together.
-        everyone: list[list[str] | None] = [None] * world
-        dist.all_gather_object(everyone, lines, group=pg)
+        everyone = _all_gather_lines(lines, pg, device)
         ranks = dist.get_process_group_ranks(pg)
         raise FSDPConsistencyError(_first_difference(everyone, ranks, api))
 
 
-def _first_difference(per_rank: list[list[str] | None], ranks: list[int], api: str) -> str:
-    reference = per_rank[0] or []
+def _all_gather_lines(
+    lines: list[str], pg: dist.ProcessGroup, device: torch.device
+) -> list[list[str]]:
+    """Every rank's lines, as utf-8 bytes in padded tensors.
+
+    Not ``all_gather_object``: in torch 2.13 it needs NumPy, which shardweave does not require.
+    """
+    world = pg.size()
+    payload = torch.frombuffer(bytearray("\n".join(lines).encode() or b"\n"), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_single(sizes, size, group=pg)
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload.to(device)
+    gathered = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    dist.all_gather_single(gathered, padded, group=pg)
+    rows = gathered.view(world, longest).cpu()
+    return [bytes(rows[r, : int(sizes[r])].tolist()).decode().split("\n") for r in range(world)]
+
+
+def _first_difference(per_rank: list[list[str]], ranks: list[int], api: str) -> str:
+    reference = per_rank[0]
     for rank, lines in zip(ranks[1:], per_rank[1:], strict=True):
-        lines = lines or []
         for i in range(max(len(reference), len(lines))):
             ours = reference[i] if i < len(reference) else "<nothing>"
             theirs = lines[i] if i < len(lines) else "<nothing>"

@@ -139,9 +139,7 @@ def all_gather_copy_out(result: AllGatherResult, fsdp_params: Sequence[FSDPParam
         torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outs)
     for fsdp_param, scratch in fixups:
         shards = scratch.view(world * fsdp_param.padded_sharded_size[0], -1)
-        pieces = [
-            c.view(fsdp_param.padded_sharded_size) for c in torch.chunk(shards, world, dim=0)
-        ]
+        pieces = [c.view(fsdp_param.padded_sharded_size) for c in torch.chunk(shards, world, dim=0)]
         torch.cat(
             pieces,
             dim=fsdp_param.shard_dim,
@@ -221,7 +219,9 @@ def foreach_reduce(
     pre, post, rs_op, ar_op = gradient_divide_factors(
         world, ar_size, rdtype, divide_factor, force_sum
     )
-    laid_out = [p.grad_for_reduce_scatter(g, world) for p, g in zip(fsdp_params, grads, strict=True)]
+    laid_out = [
+        p.grad_for_reduce_scatter(g, world) for p, g in zip(fsdp_params, grads, strict=True)
+    ]
     out_numel = sum(p.padded_sharded_numel for p in fsdp_params)
     rs_input = reduce_scatter_comm.allocate((world * out_numel,), dtype=rdtype, device=device)
     # One kernel: chunk every grad into `world` dim-0 pieces (zero padded), cast, and lay

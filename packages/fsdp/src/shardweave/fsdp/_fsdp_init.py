@@ -73,7 +73,9 @@ def post_forward_mesh_info(
     return mesh_info if reshard_after_forward else None
 
 
-def managed_modules(roots: Sequence[nn.Module], ignored_params: set[nn.Parameter]) -> list[nn.Module]:
+def managed_modules(
+    roots: Sequence[nn.Module], ignored_params: set[nn.Parameter]
+) -> list[nn.Module]:
     """Modules whose direct parameters this call manages: everything under the roots except
     subtrees that already have their own state (nested ``fully_shard``), post-order."""
     seen: set[nn.Module] = set()

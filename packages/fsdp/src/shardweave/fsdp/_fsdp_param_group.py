@@ -145,7 +145,9 @@ class FSDPParamGroup:
             return
         if datas[0].device.type == "meta":
             return  # materialized later (to_empty), then flattened at lazy init
-        flat = torch.empty(sum(d.numel() for d in datas), dtype=datas[0].dtype, device=datas[0].device)
+        flat = torch.empty(
+            sum(d.numel() for d in datas), dtype=datas[0].dtype, device=datas[0].device
+        )
         if self.fsdp_params[0].pin_memory and flat.device.type == "cpu":
             flat = flat.pin_memory()
         offset = 0

@@ -201,7 +201,9 @@ class FSDPState:
                 by_param[param].param_fqn = name
         for name, module in root.named_modules():
             for group in by_module.get(module, []):
-                group._module_fqn = name if group._module_fqn is None else f"{group._module_fqn}, {name}"
+                group._module_fqn = (
+                    name if group._module_fqn is None else f"{group._module_fqn}, {name}"
+                )
 
     def _init_shared_state(self) -> None:
         for state in self._state_ctx.all_states:
@@ -375,4 +377,3 @@ class FSDPState:
                 group.reset_iter_state()
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
-

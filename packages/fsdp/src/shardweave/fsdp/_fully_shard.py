@@ -175,8 +175,15 @@ def fully_shard(
     state = FSDPState(roots, device, mp_policy, mesh_info, auto_reshard)
     try:
         state._fsdp_param_groups = _build_groups(
-            params, placements, roots, mesh_info, post_info, reshard_after_forward,
-            device, mp_policy, offload_policy,
+            params,
+            placements,
+            roots,
+            mesh_info,
+            post_info,
+            reshard_after_forward,
+            device,
+            mp_policy,
+            offload_policy,
         )
     except BaseException:
         state.detach()
@@ -193,9 +200,7 @@ def fully_shard(
 
 def _check_policy_types(mp_policy: object, offload_policy: object) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}"
-        )
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             "offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
@@ -240,8 +245,12 @@ def _build_groups(
         entry[1].append(i)
     groups: list[FSDPParamGroup] = []
     for info, indices in by_key.values():
-        group_post = post_info if info is mesh_info else post_forward_mesh_info(
-            True if reshard_after_forward is None else reshard_after_forward, info
+        group_post = (
+            post_info
+            if info is mesh_info
+            else post_forward_mesh_info(
+                True if reshard_after_forward is None else reshard_after_forward, info
+            )
         )
         groups.append(
             FSDPParamGroup(
@@ -314,7 +323,9 @@ class FSDPModule:
         return [m for m in cast(nn.Module, self).modules() if isinstance(m, FSDPModule)]
 
     def _groups(self, recurse: bool = False) -> list[FSDPParamGroup]:
-        return [g for m in self._fsdp_modules(recurse) for g in m._get_fsdp_state()._fsdp_param_groups]
+        return [
+            g for m in self._fsdp_modules(recurse) for g in m._get_fsdp_state()._fsdp_param_groups
+        ]
 
     def _single_group(self, what: str) -> FSDPParamGroup | None:
         groups = self._get_fsdp_state()._fsdp_param_groups
@@ -354,7 +365,9 @@ class FSDPModule:
         """``False`` for all but the last microbatch's backward (keeps per-iteration state)."""
         self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """``False`` accumulates unsharded gradients locally with no communication (no_sync)."""
         for group in self._groups(recurse):
             group.reduce_grads = requires_gradient_sync
@@ -368,7 +381,9 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether parameters are freed after forward (overrides the root default)."""
         if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+            )
         for module in self._fsdp_modules(recurse):
             state = module._get_fsdp_state()
             state._auto_reshard_after_forward = False
@@ -379,7 +394,9 @@ class FSDPModule:
                     reshard_after_forward, group.mesh_info
                 )
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """``False`` keeps parameters unsharded after backward (saves an all-gather while
         accumulating gradients, at the cost of memory)."""
         for group in self._groups(recurse):
@@ -461,7 +478,9 @@ class FSDPModule:
 def _check_fsdp_modules(modules: Iterable[object], api: str) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"{api} expects FSDPModules (modules passed to fully_shard), got {type(m).__name__}")
+            raise ValueError(
+                f"{api} expects FSDPModules (modules passed to fully_shard), got {type(m).__name__}"
+            )
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -493,4 +512,3 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
         state._comm_ctx = comm_ctx
         for group in state._fsdp_param_groups:
             group.comm_ctx = comm_ctx
-

@@ -1,0 +1,196 @@
+"""Every check shardweave runs. CI runs `nox` (the default sessions) and nothing else.
+
+    nox                     tests, typecheck, lint, isolated(mesh|fsdp|replicate|extensions)
+    nox -s demo             train a small GPT with fully_shard on 2 local CPU processes (torchrun)
+    nox -s bench            timing scripts; never gates a merge
+    nox -s tests -- -k fsdp -x     arguments after -- go to pytest (or to the demo / bench script)
+
+Every session that installs torch installs it first, from SHARDWEAVE_TORCH_SPEC (default
+"torch==2.13.0", the CPU build CI tests), so no later requirement pulls in a multi-GB build:
+
+    SHARDWEAVE_TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" nox
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # nox itself may run on an older Python than the sessions
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent
+PYTHON = "3.11"
+TORCH_SPEC_ENV = "SHARDWEAVE_TORCH_SPEC"
+DEFAULT_TORCH_SPEC = "torch==2.13.0"
+# Pinned so `ruff format --check` and `mypy --strict` give the same answer everywhere.
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
+LINT_PATHS = ("packages", "tests", "tools", "demos", "benchmarks", "noxfile.py")
+TEST_PLUGIN = "tests/fixtures/shardweave_test_plugin"
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "typecheck", "lint", "isolated"]  # demo and bench on request
+nox.options.error_on_external_run = True
+
+
+def _pyproject(pkg: str) -> dict[str, object]:
+    with open(ROOT / "packages" / pkg / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _requirements(pkg: str) -> list[str]:
+    project = _pyproject(pkg).get("project", {})
+    deps = project.get("dependencies", []) if isinstance(project, dict) else []
+    return [str(d) for d in deps]
+
+
+def _req_name(requirement: str) -> str:
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower() if match else requirement
+
+
+# Package folder -> the sibling folders it declares in its pyproject (the single source of truth;
+# tools/check_layout.py checks that the declarations follow ARCHITECTURE.md).
+PACKAGES: dict[str, list[str]] = {
+    pkg: [
+        _req_name(r).removeprefix("shardweave-")
+        for r in _requirements(pkg)
+        if _req_name(r).startswith("shardweave-")
+    ]
+    for pkg in ("mesh", "fsdp", "replicate", "extensions")
+}
+
+
+def _closure(pkg: str) -> list[str]:
+    """``pkg`` and every sibling it needs, dependencies first."""
+    order: list[str] = []
+
+    def visit(p: str) -> None:
+        for dep in PACKAGES[p]:
+            visit(dep)
+        if p not in order:
+            order.append(p)
+
+    visit(pkg)
+    return order
+
+
+def _install_torch(session: nox.Session) -> None:
+    # First, so that the packages' `torch>=2.13,<2.14` is already satisfied when pip sees it.
+    spec = os.environ.get(TORCH_SPEC_ENV, "").strip() or DEFAULT_TORCH_SPEC
+    # --no-compile: byte-compiling all of torch costs more than compiling what a run imports.
+    session.install("--no-compile", *shlex.split(spec))
+
+
+def _install_requirements_file(session: nox.Session, path: str) -> None:
+    if (ROOT / path).is_file():
+        session.install("-r", path)
+
+
+def _install_all_packages(session: nox.Session, *extra: str) -> None:
+    # One pip call, so each sibling requirement resolves to the local folder, never an index.
+    session.install(*(f"./packages/{p}" for p in PACKAGES), *extra)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """All four packages (built, not editable) + the test plugin; the whole suite in one pytest.
+
+    One pytest process means one spawned worker pool per world size for the whole suite.
+    """
+    _install_torch(session)
+    extra = [f"./{TEST_PLUGIN}"] if (ROOT / TEST_PLUGIN).is_dir() else []
+    # numpy: torch warns at import without it and its object collectives need it. The isolated
+    # sessions leave it out, so package code that needs it undeclared fails there.
+    _install_all_packages(session, *extra, *TEST_DEPS, "numpy")
+    # With arguments, pytest gets only those (testpaths = ["tests"] still applies to `-k ...`).
+    session.run("pytest", *(session.posargs or ["tests"]))
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over the four src trees (namespace-aware; config in pyproject.toml)."""
+    _install_torch(session)
+    session.install(MYPY, *TEST_DEPS)
+    modules = [arg for pkg in PACKAGES for arg in ("-p", f"shardweave.{pkg}")]
+    session.run("mypy", *modules, "-p", "tests._dist", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check, ruff format --check, then tools/check_layout.py; no torch needed."""
+    session.install(RUFF, "packaging")
+    paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+    session.run("python", "tools/check_layout.py")
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("pkg", list(PACKAGES), ids=list(PACKAGES))  # isolated(mesh), ...
+def isolated(session: nox.Session, pkg: str) -> None:
+    """Wheels only: install `pkg` alone (with its declared siblings), import it, run its checks.
+
+    Siblings come only from the wheels built here (--no-index), so an undeclared sibling
+    dependency fails the import or the tests instead of being satisfied by accident.
+    """
+    needed = _closure(pkg)
+    wheels = Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(wheels, ignore_errors=True)
+    session.run(
+        "python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheels),
+        *(f"./packages/{p}" for p in needed),
+    )  # fmt: skip
+    _install_torch(session)
+    third_party = sorted(
+        {
+            r
+            for p in needed
+            for r in _requirements(p)
+            if not _req_name(r).startswith("shardweave-") and _req_name(r) != "torch"
+        }
+    )
+    session.install(*third_party, *TEST_DEPS)
+    session.install("--no-index", "--find-links", str(wheels), f"shardweave-{pkg}")
+    session.run("python", "-c", f"import shardweave.{pkg}")
+    test_paths = [p for p in (f"tests/{pkg}/world_1", "tests/isolation") if (ROOT / p).is_dir()]
+    if not test_paths:
+        session.log(f"no tests/{pkg}/world_1 or tests/isolation yet; import check only")
+        return
+    session.run(
+        "pytest", *test_paths, "-k", pkg, *session.posargs,
+        env={"SHARDWEAVE_ISOLATED": pkg},
+        success_codes=[0, 5],  # 5: nothing collected for this package yet
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Train a small GPT-like model with fully_shard on 2 local CPU processes (gloo)."""
+    _install_torch(session)
+    # numpy: torch 2.13's object collectives (all_gather_object) need it on gloo.
+    _install_all_packages(session, "numpy")
+    _install_requirements_file(session, "demos/requirements.txt")
+    session.run(
+        "torchrun", "--standalone", "--nproc-per-node", "2", "demos/train_gpt.py",
+        *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Timing scripts (writes JSON; see benchmarks/). Never part of the default run."""
+    _install_torch(session)
+    _install_all_packages(session, "numpy")
+    _install_requirements_file(session, "benchmarks/requirements.txt")
+    session.run("python", "benchmarks/run.py", *session.posargs)

@@ -1,0 +1,131 @@
+"""tools/check_layout.py on small fake repositories: each invariant fails with a clear message."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPS = {"mesh": [], "fsdp": ["mesh"], "replicate": ["mesh", "fsdp"], "extensions": ["mesh"]}
+
+
+@pytest.fixture(scope="module")
+def tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "check_layout", REPO / "tools" / "check_layout.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_layout"] = module  # dataclasses and typing look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(path: Path, text: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _repo(root: Path) -> Path:
+    for pkg, deps in DEPS.items():
+        base = root / "packages" / pkg
+        reqs = ", ".join([f'"shardweave-{d}>=0.1,<0.2"' for d in deps] + ['"torch>=2.13"'])
+        _write(
+            base / "pyproject.toml",
+            f'[project]\nname = "shardweave-{pkg}"\ndependencies = [{reqs}]\n',
+        )
+        _write(base / "CHANGELOG.md", "# Changelog\n")
+        _write(base / "src" / "shardweave" / pkg / "py.typed")
+        _write(base / "src" / "shardweave" / pkg / "_version.py", '__version__ = "0.1.0"\n')
+        imports = "".join(f"import shardweave.{d}\n" for d in deps)
+        _write(base / "src" / "shardweave" / pkg / "__init__.py", imports)
+    return root
+
+
+def test_clean_repo_passes(tool: ModuleType, tmp_path: Path) -> None:
+    assert tool.check(_repo(tmp_path)) == []
+    assert tool.main(["--root", str(tmp_path)]) == 0
+
+
+def test_namespace_init_fails(tool: ModuleType, tmp_path: Path) -> None:
+    _write(_repo(tmp_path) / "packages" / "fsdp" / "src" / "shardweave" / "__init__.py")
+    (problem,) = tool.check(tmp_path)
+    assert "packages/fsdp/src/shardweave/__init__.py" in problem and "PEP 420" in problem
+
+
+@pytest.mark.parametrize(
+    ("relative", "expected"),
+    [
+        ("CHANGELOG.md", "missing CHANGELOG.md"),
+        ("src/shardweave/mesh/py.typed", "missing src/shardweave/mesh/py.typed"),
+        ("src/shardweave/mesh/_version.py", "missing src/shardweave/mesh/_version.py"),
+    ],
+)
+def test_missing_files_fail(tool: ModuleType, tmp_path: Path, relative: str, expected: str) -> None:
+    (_repo(tmp_path) / "packages" / "mesh" / relative).unlink()
+    problems = tool.check(tmp_path)
+    assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import shardweave.extensions\n",
+        "from shardweave.extensions import all_gather\n",
+        "from shardweave import extensions\n",
+        "from .. import extensions\n",  # relative, from shardweave/fsdp/_x.py
+        "import importlib\nimportlib.import_module('shardweave.extensions.all_gather')\n",
+    ],
+)
+def test_undeclared_sibling_import_fails(tool: ModuleType, tmp_path: Path, source: str) -> None:
+    _write(_repo(tmp_path) / "packages" / "fsdp" / "src" / "shardweave" / "fsdp" / "_x.py", source)
+    problems = tool.check(tmp_path)
+    assert len(problems) == 1, problems
+    assert "_x.py:" in problems[0]
+    assert "imports shardweave.extensions" in problems[0]
+    assert "does not declare shardweave-extensions" in problems[0]
+
+
+def test_declared_but_forbidden_dependency_fails(tool: ModuleType, tmp_path: Path) -> None:
+    pyproject = _repo(tmp_path) / "packages" / "mesh" / "pyproject.toml"
+    pyproject.write_text(
+        '[project]\nname = "shardweave-mesh"\ndependencies = ["shardweave_FSDP"]\n'
+    )
+    problems = tool.check(tmp_path)
+    assert any("mesh must not depend on shardweave-fsdp" in p for p in problems), problems
+
+
+def test_range_excluding_sibling_version_fails(tool: ModuleType, tmp_path: Path) -> None:
+    pytest.importorskip("packaging")
+    version = _repo(tmp_path) / "packages" / "mesh" / "src" / "shardweave" / "mesh" / "_version.py"
+    version.write_text('__version__ = "0.2.0"\n')
+    problems = tool.check(tmp_path)
+    assert len(problems) == 3, problems  # fsdp, replicate and extensions all pin mesh <0.2
+    assert all("packages/mesh is at 0.2.0" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from torch.distributed.fsdp import fully_shard\n",
+        "import torch.distributed.fsdp._fully_shard._fsdp_param as p\n",
+        "from torch.distributed import fsdp\n",
+        "from torch.distributed._composable import replicate_with_fsdp\n",
+        "from torch.distributed._composable.fsdp import fully_shard\n",
+        "from torch.distributed.tensor.parallel.fsdp import DTensorExtensions\n",
+    ],
+)
+def test_torch_fsdp_engine_import_fails(tool: ModuleType, tmp_path: Path, source: str) -> None:
+    _write(_repo(tmp_path) / "packages" / "fsdp" / "src" / "shardweave" / "fsdp" / "_y.py", source)
+    problems = tool.check(tmp_path)
+    assert problems and all("torch's FSDP engine" in p for p in problems), problems
+
+
+def test_allowed_torch_imports_pass(tool: ModuleType, tmp_path: Path) -> None:
+    source = "import torch.distributed as dist\nfrom torch.distributed.tensor import DTensor\n"
+    _write(_repo(tmp_path) / "packages" / "fsdp" / "src" / "shardweave" / "fsdp" / "_z.py", source)
+    assert tool.check(tmp_path) == []
