@@ -55,7 +55,7 @@ def dtensor_param_without_plugin(rank: int, world: int) -> str:
     return str(err.value)
 
 
-def test_fsdp_dtensor_param_without_extensions(world1: WorkerPool) -> None:
+def test_fsdp_dtensor_param_without_plugin(world1: WorkerPool) -> None:
     """Without shardweave-extensions, a DTensor parameter names the package to install."""
     (message,) = world1.run(dtensor_param_without_plugin)
     if message == "plugin installed":
