@@ -23,6 +23,8 @@ __all__ = [
     "AllGatherResult",
     "DefaultAllGather",
     "DefaultReduceScatter",
+    "ProcessGroupAllocAllGather",
+    "ProcessGroupAllocReduceScatter",
     "all_gather_copy_in",
     "all_gather_copy_out",
     "foreach_reduce",
@@ -71,6 +73,47 @@ class DefaultReduceScatter(ReduceScatter):
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )
         return cast("dist.Work | None", work)
+
+
+def _allocate_from_group(
+    group: dist.ProcessGroup,
+    size: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    # Backends with their own allocator (NCCL with zero-copy) hand out registered memory;
+    # others (gloo) fall back to torch.empty, as torch's FSDP2 does.
+    backend = group._get_backend(device)
+    if backend.supports_tensor_alloc(device):
+        numel = 1
+        for s in size:
+            numel *= int(s)
+        return backend.allocate_tensor(numel, dtype=dtype, device=device)
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+class ProcessGroupAllocAllGather(DefaultAllGather):
+    """All-gather whose buffers come from the process group's allocator when it has one."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def allocate(
+        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _allocate_from_group(self._group, size, dtype, device)
+
+
+class ProcessGroupAllocReduceScatter(DefaultReduceScatter):
+    """Reduce-scatter whose buffers come from the process group's allocator when it has one."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def allocate(
+        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _allocate_from_group(self._group, size, dtype, device)
 
 
 @dataclass

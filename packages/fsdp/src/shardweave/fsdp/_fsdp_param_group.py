@@ -25,6 +25,8 @@ from shardweave.fsdp._fsdp_collectives import (
     AllGatherResult,
     DefaultAllGather,
     DefaultReduceScatter,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
     all_gather_copy_in,
     all_gather_copy_out,
     foreach_reduce,
@@ -134,6 +136,54 @@ class FSDPParamGroup:
         self._reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
         self._all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self._flatten_sharded_storage()
+
+    # --- communication controls ---------------------------------------------------------------
+    def set_allocate_memory_from_process_group(self, enable: bool) -> None:
+        for comm, defaults in (
+            (self._all_gather_comm, (DefaultAllGather,)),
+            (self._reduce_scatter_comm, (DefaultReduceScatter,)),
+        ):
+            if type(comm) not in (
+                *defaults,
+                ProcessGroupAllocAllGather,
+                ProcessGroupAllocReduceScatter,
+            ):
+                raise AssertionError(
+                    "cannot call set_allocate_memory_from_process_group() when the comm is "
+                    f"custom: {type(comm).__name__}"
+                )
+        info = self.mesh_info
+        rs_group = info.reduce_scatter_process_group or info.shard_process_group
+        if enable:
+            self._all_gather_comm = ProcessGroupAllocAllGather(info.shard_process_group)
+            self._reduce_scatter_comm = ProcessGroupAllocReduceScatter(rs_group)
+        else:
+            self._all_gather_comm = DefaultAllGather()
+            self._reduce_scatter_comm = DefaultReduceScatter()
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool, cache: dict[tuple[int, ...], dist.ProcessGroup]
+    ) -> None:
+        """Give the reduce-scatter its own process group (one per rank set, shared via
+        ``cache``) so it can overlap the all-gather on backends that run one collective at a
+        time per communicator."""
+        info = self.mesh_info
+        if not enable:
+            info.reduce_scatter_process_group = None
+            return
+        ranks = tuple(dist.get_process_group_ranks(info.shard_process_group))
+        if ranks not in cache:
+            existing = info.reduce_scatter_process_group
+            cache[ranks] = (
+                existing
+                if existing is not None
+                else dist.new_group(
+                    list(ranks),
+                    use_local_synchronization=True,
+                    group_desc="shardweave_reduce_scatter",
+                )
+            )
+        info.reduce_scatter_process_group = cache[ranks]
 
     # --- initialization -----------------------------------------------------------------------
     def _flatten_sharded_storage(self) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -16,6 +18,7 @@ from shardweave.fsdp._fsdp_api import (
     OffloadPolicy,
     ReduceScatter,
 )
+from shardweave.fsdp._fsdp_collectives import DefaultAllGather
 from shardweave.fsdp._fsdp_init import (
     managed_modules,
     managed_params_and_buffers,
@@ -442,8 +445,14 @@ class FSDPModule:
     ) -> None:
         """Call ``hook(reduced_flat_grads)`` after the reduce-scatter (and HSDP all-reduce)."""
         group = self._single_group("set_all_reduce_hook")
-        if group is not None:
-            group._all_reduce_hook = hook
+        if group is None:
+            return
+        if stream is not None and group._all_reduce_group is not None:
+            raise ValueError(
+                "set_all_reduce_hook: stream= cannot be given with native HSDP (the hook runs "
+                "after HSDP's own all-reduce); omit stream"
+            )
+        group._all_reduce_hook = hook
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
@@ -460,6 +469,69 @@ class FSDPModule:
         reduce-scatter even when ranks use different parameters."""
         for group in self._groups(recurse):
             group.reduce_scatter_unused_params = enable
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of ``set_gradient_divide_factor``."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatter input buffers may stay in flight (default 1).
+
+        More buffers let a slow reduce-scatter overlap the next copy-in at the cost of memory.
+        The engine reduces synchronously on the current stream, so the value only matters for
+        parity with torch (it is resolved once, at root lazy init, as the maximum over groups).
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run reduce-scatters on their own process group (a collective call on every rank).
+
+        Lets the reduce-scatter overlap the all-gather where a communicator runs one collective
+        at a time (NCCL); ``False`` restores the shared shard group.
+        """
+        cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            group.set_separate_reduce_scatter_group(enable, cache)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate collective staging buffers with the process group's allocator when it has
+        one (NCCL zero-copy); otherwise (gloo) plain ``torch.empty``. Not with custom comms."""
+        for group in self._groups():
+            group.set_allocate_memory_from_process_group(enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Symmetric-memory all-gather buffers (CUDA + NCCL only).
+
+        Differences from torch: not implemented yet; raises ``RuntimeError`` on every backend
+        (torch raises ``RuntimeError`` from its symmetric-memory backend on CPU too).
+        """
+        for group in self._groups():
+            if type(group._all_gather_comm) is not DefaultAllGather:
+                raise AssertionError(
+                    "cannot call set_symm_mem_for_comm() when all gather comm is custom: "
+                    f"{type(group._all_gather_comm).__name__}"
+                )
+        raise RuntimeError(
+            f"set_symm_mem_for_comm(backend={backend!r}) needs CUDA with NCCL symmetric memory; "
+            f"this module's mesh is on '{self._get_fsdp_state()._device.type}', and shardweave "
+            "does not implement symmetric-memory collectives yet"
+        )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         for group in self._groups(recurse=True):

@@ -1,0 +1,291 @@
+"""Every communication knob of FSDPModule shows its effect, not only that it can be called.
+
+Oracles: *compatibility* (torch's fully_shard with the same setting: same results, or the same
+exception type) and *closed form* (call counts, divide factors, buffer sizes).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from shardweave.fsdp import AllGather, ReduceScatter, fully_shard
+from tests._dist import WorkerPool, assert_close
+from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
+from tests.fsdp._oracle import assert_same_as_torch
+from tests.fsdp.world_2.test_features import count_collectives
+
+
+def _train_pair(
+    rank: int, world: int, configure: Callable[[nn.Module], None], steps: int = 2
+) -> tuple[nn.Module, nn.Module]:
+    """Our model and torch's, both configured the same way, trained in lockstep."""
+    model = make_model("gpt")
+    tmodel = copy.deepcopy(model)
+    shard_blocks(model, fully_shard)
+    shard_blocks(tmodel, torch_fully_shard)
+    configure(model)
+    configure(tmodel)
+    for step in range(steps):
+        batch = make_batch("gpt", 100 * step + rank)
+        for m in (model, tmodel):
+            loss_fn("gpt", m(batch), batch).backward()
+        assert_same_as_torch(model, tmodel, f"step {step}")
+        if step < steps - 1:
+            for m in (model, tmodel):
+                m.zero_grad(set_to_none=True)
+    return model, tmodel
+
+
+class RecordingAllGather(AllGather):
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.calls.append((output_tensor.numel(), input_tensor.numel(), group.size()))
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+
+class RecordingReduceScatter(ReduceScatter):
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.calls.append((output_tensor.numel(), input_tensor.numel()))
+        return dist.reduce_scatter_single(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )  # type: ignore[no-any-return]
+
+
+def custom_comms(rank: int, world: int) -> None:
+    model = make_model("gpt")
+    ref = copy.deepcopy(model)
+    shard_blocks(model, fully_shard)
+    shard_blocks(ref, fully_shard)
+    layer = model.layers[0]  # type: ignore[index]
+    ag, rs = RecordingAllGather(), RecordingReduceScatter()
+    layer.set_custom_all_gather(ag)
+    layer.set_custom_reduce_scatter(rs)
+    batch = make_batch("gpt", rank)
+    for m in (model, ref):
+        loss_fn("gpt", m(batch), batch).backward()
+    # the layer's shard numel: every param's padded shard, laid end to end
+    shard_numel = sum(p.to_local().numel() for p in layer.parameters())
+    assert len(ag.calls) == 2, ag.calls  # forward, and again in backward (resharded)
+    for out_numel, in_numel, size in ag.calls:
+        assert size == world and out_numel == world * in_numel and in_numel >= shard_numel
+    assert len(rs.calls) == 1 and rs.calls[0][1] == world * rs.calls[0][0]
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local())  # type: ignore[union-attr]
+
+
+def test_custom_all_gather_and_reduce_scatter(world2: WorkerPool) -> None:
+    """Oracle: closed form (called once per unshard / reduction, with world-sized buffers)
+    and the default comms' result."""
+    world2.run(custom_comms)
+
+
+def all_reduce_hook(rank: int, world: int) -> None:
+    seen: list[torch.Tensor] = []
+
+    def configure(m: nn.Module) -> None:
+        m.layers[0].set_all_reduce_hook(lambda t: (seen.append(t.clone()), t.mul_(2.0))[1])  # type: ignore[index, operator]
+
+    _model, _tmodel = _train_pair(rank, world, configure)
+    assert len(seen) == 4  # two steps, ours and torch's
+    assert torch.equal(seen[0], seen[1]), "the hook sees the same reduced buffer as torch's"
+
+
+def test_all_reduce_hook(world2: WorkerPool) -> None:
+    """Oracle: compatibility (a hook doubling the reduced grads gives torch's result)."""
+    world2.run(all_reduce_hook)
+
+
+def divide_factor(rank: int, world: int, factor: float, force_sum: bool) -> None:
+    def configure(m: nn.Module) -> None:
+        for sub in m.modules():
+            if hasattr(sub, "set_gradient_divide_factor"):
+                sub.set_gradient_divide_factor(factor)
+                sub.set_force_sum_reduction_for_comms(force_sum)
+
+    model, _ = _train_pair(rank, world, configure, steps=1)
+    # closed form: grads = sum over ranks / factor = mean * world / factor
+    base, _ = _train_pair(rank, world, lambda m: None, steps=1)
+    for p, q in zip(model.parameters(), base.parameters(), strict=True):
+        assert_close(p.grad.to_local(), q.grad.to_local() * (world / factor))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("factor", "force_sum"), [(2.0, False), (1.0, True), (4.0, True)])
+def test_gradient_divide_factor(world2: WorkerPool, factor: float, force_sum: bool) -> None:
+    """Oracles: compatibility and closed form (sum / factor)."""
+    world2.run(divide_factor, factor, force_sum)
+
+
+def premul_sum_on_gloo(rank: int, world: int) -> None:
+    types = []
+    for api in (torch_fully_shard, fully_shard):
+        model = nn.Linear(4, 4)
+        api(model)
+        model.set_gradient_divide_factor(3.0)  # type: ignore[operator]
+        with pytest.raises(Exception) as err:
+            model(torch.randn(2, 4)).sum().backward()
+        types.append(type(err.value))
+        model.reset_iter_state()  # type: ignore[operator]
+    assert types[0] is types[1], types
+
+
+def test_custom_factor_on_gloo_raises_like_torch(world2: WorkerPool) -> None:
+    """Oracle: compatibility (gloo has no PREMUL_SUM)."""
+    world2.run(premul_sum_on_gloo)
+
+
+def deprecated_alias(rank: int, world: int) -> None:
+    model = nn.Linear(4, 4)
+    fully_shard(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.set_reduce_scatter_divide_factor(2.0)  # type: ignore[operator]
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    assert model._get_fsdp_state()._fsdp_param_groups[0].gradient_divide_factor == 2.0  # type: ignore[operator]
+
+
+def test_reduce_scatter_divide_factor_is_deprecated(world2: WorkerPool) -> None:
+    world2.run(deprecated_alias)
+
+
+class Routed(nn.Module):
+    """Each rank uses a different expert: the unused one gets no gradient on that rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        return self.experts[which](x)
+
+
+def unused_params(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = Routed()
+    ref, tmodel = copy.deepcopy(model), copy.deepcopy(model)
+    for m, api in ((model, fully_shard), (tmodel, torch_fully_shard)):
+        api(m)
+        m.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for m in (model, tmodel):
+        m(xs[rank], rank % 2).sum().backward()
+    (sum(ref(x, r % 2).sum() for r, x in enumerate(xs)) / world).backward()  # type: ignore[union-attr]
+    assert_same_as_torch(model, tmodel)
+    for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
+        full = p.grad.full_tensor()  # type: ignore[union-attr]
+        assert_close(full, rp.grad)  # type: ignore[arg-type]
+
+
+def test_reduce_scatter_unused_params(world2: WorkerPool) -> None:
+    """Oracles: reference and compatibility: ranks using different experts still issue the
+    same reduce-scatter, and gradients are right."""
+    world2.run(unused_params)
+
+
+def separate_rs_group(rank: int, world: int) -> None:
+    model, _tmodel = _train_pair(rank, world, lambda m: m.set_separate_reduce_scatter_group(True))  # type: ignore[operator]
+    groups = model._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    info = groups[0].mesh_info
+    assert info.reduce_scatter_process_group is not None
+    assert info.reduce_scatter_process_group is not info.shard_process_group
+    model.set_separate_reduce_scatter_group(False)  # type: ignore[operator]
+    assert info.reduce_scatter_process_group is None
+
+
+def test_separate_reduce_scatter_group(world2: WorkerPool) -> None:
+    """Oracle: compatibility (same grads) and closed form (a distinct process group)."""
+    world2.run(separate_rs_group)
+
+
+def pg_allocation(rank: int, world: int) -> None:
+    _train_pair(rank, world, lambda m: m.set_allocate_memory_from_process_group_for_comm(True))  # type: ignore[operator]
+    types = []
+    for api in (torch_fully_shard, fully_shard):
+        m = nn.Linear(2, 2)
+        api(m)
+        m.set_custom_all_gather(RecordingAllGather())  # type: ignore[operator]
+        with pytest.raises(Exception) as err:
+            m.set_allocate_memory_from_process_group_for_comm(True)  # type: ignore[operator]
+        types.append(type(err.value))
+    assert types[0] is types[1] is AssertionError, types
+
+
+def test_allocate_memory_from_process_group(world2: WorkerPool) -> None:
+    """Oracle: compatibility (gloo falls back to torch.empty; refused after a custom comm)."""
+    world2.run(pg_allocation)
+
+
+def max_input_buffers_and_symm_mem(rank: int, world: int) -> None:
+    for bad, exc in ((True, TypeError), (2.5, TypeError), (0, ValueError)):
+        for api in (torch_fully_shard, fully_shard):
+            m = nn.Linear(2, 2)
+            api(m)
+            with pytest.raises(exc):
+                m.set_reduce_scatter_max_input_buffers(bad)  # type: ignore[operator]
+    model, _ = _train_pair(rank, world, lambda m: m.set_reduce_scatter_max_input_buffers(3))  # type: ignore[operator]
+    assert model._get_fsdp_state()._comm_ctx.reduce_scatter_max_input_buffers == 3  # type: ignore[operator]
+    types = []
+    for api in (torch_fully_shard, fully_shard):
+        m = nn.Linear(2, 2)
+        api(m)
+        with pytest.raises(Exception) as err:
+            m.set_symm_mem_for_comm()  # type: ignore[operator]
+        types.append(type(err.value))
+    assert issubclass(types[1], types[0]), types
+
+
+def test_max_input_buffers_and_symm_mem(world2: WorkerPool) -> None:
+    """Oracle: compatibility (validation errors; symmetric memory refused off CUDA/NCCL)."""
+    world2.run(max_input_buffers_and_symm_mem)
+
+
+def collectives_with_no_sync(rank: int, world: int) -> None:
+    model = make_model("gpt")
+    shard_blocks(model, fully_shard)
+    batch = make_batch("gpt", rank)
+    loss_fn("gpt", model(batch), batch).backward()
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    with count_collectives() as counts:
+        loss_fn("gpt", model(batch), batch).backward()
+    assert counts["reduce_scatter_single"] == 0, dict(counts)
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    with count_collectives() as counts:
+        loss_fn("gpt", model(batch), batch).backward()
+    assert counts["reduce_scatter_single"] == len(model.layers) + 1  # type: ignore[arg-type]
+
+
+def test_gradient_sync_off_skips_reduce_scatter(world2: WorkerPool) -> None:
+    """Oracle: closed form (no reduce-scatter while accumulating, one per group after)."""
+    world2.run(collectives_with_no_sync)
