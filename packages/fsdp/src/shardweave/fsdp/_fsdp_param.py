@@ -17,12 +17,12 @@ from shardweave.fsdp._fsdp_common import (
     chunk_with_empty,
     dim_chunked_size,
 )
-from shardweave.mesh import HSDPMeshInfo
+from shardweave.mesh import FSDPMeshInfo, HSDPMeshInfo
 from shardweave.mesh.extension_points import PARAM_HANDLING
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
-    from shardweave.mesh import FSDPMeshInfo
+    from shardweave.mesh import DataParallelMeshInfo
 
 __all__ = ["FSDPParam", "ParamModuleInfo"]
 
@@ -102,7 +102,7 @@ class FSDPParam:
         self,
         param: nn.Parameter,
         module_info: ParamModuleInfo,
-        mesh_info: FSDPMeshInfo,
+        mesh_info: DataParallelMeshInfo,
         post_forward_mesh_info: FSDPMeshInfo | None,
         device: torch.device,
         shard_placement: Shard | None,
@@ -112,6 +112,14 @@ class FSDPParam:
         self._module_info = module_info
         self.mesh_info = mesh_info
         self.post_forward_mesh_info = post_forward_mesh_info
+        # A replicate-only (DDP) mesh shards over nothing: every rank holds the whole tensor.
+        if isinstance(mesh_info, FSDPMeshInfo):
+            self.shard_world_size, self.shard_rank = (
+                mesh_info.shard_mesh_size,
+                mesh_info.shard_mesh_rank,
+            )
+        else:
+            self.shard_world_size, self.shard_rank = 1, 0
         self.device = device
         self.offload_to_cpu = offload_to_cpu
         self.pin_memory = pin_memory
@@ -161,7 +169,7 @@ class FSDPParam:
             raise AssertionError(
                 f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor '{self.param_fqn}'"
             )
-        world, rank = self.mesh_info.shard_mesh_size, self.mesh_info.shard_mesh_rank
+        world, rank = self.shard_world_size, self.shard_rank
         if shard_dim > 0 and param.size(shard_dim) % world != 0:
             raise NotImplementedError(
                 f"fully_shard does not support uneven sharding on dim {shard_dim}: "
@@ -189,6 +197,8 @@ class FSDPParam:
         placements: tuple[Placement, ...]
         if isinstance(self.mesh_info, HSDPMeshInfo):
             placements = (Replicate(), self.fsdp_placement)
+        elif not isinstance(self.mesh_info, FSDPMeshInfo):
+            placements = (Replicate(),)
         else:
             placements = (self.fsdp_placement,)
         self._sharding_spec = DTensorSpec(
@@ -295,7 +305,7 @@ class FSDPParam:
     def alloc_all_gather_output(self) -> torch.Tensor:
         """The 1D output buffer (padded full parameter), storage allocated."""
         if not hasattr(self, "all_gather_output"):
-            world = self.mesh_info.shard_mesh_size
+            world = self.shard_world_size
             self.all_gather_output = torch.empty(
                 world * self.padded_sharded_numel, dtype=self.unsharded_dtype, device=self.device
             )

@@ -74,7 +74,7 @@ class FSDPParamGroup:
         self,
         params: Sequence[nn.Parameter],
         modules: tuple[nn.Module, ...],
-        mesh_info: FSDPMeshInfo,
+        mesh_info: DataParallelMeshInfo,
         post_forward_mesh_info: FSDPMeshInfo | None,
         device: torch.device,
         shard_placements: Sequence[Any],
@@ -153,8 +153,8 @@ class FSDPParamGroup:
                     f"custom: {type(comm).__name__}"
                 )
         info = self.mesh_info
-        rs_group = info.reduce_scatter_process_group or info.shard_process_group
-        if enable:
+        if enable and isinstance(info, FSDPMeshInfo):
+            rs_group = info.reduce_scatter_process_group or info.shard_process_group
             self._all_gather_comm = ProcessGroupAllocAllGather(info.shard_process_group)
             self._reduce_scatter_comm = ProcessGroupAllocReduceScatter(rs_group)
         else:
@@ -168,6 +168,10 @@ class FSDPParamGroup:
         ``cache``) so it can overlap the all-gather on backends that run one collective at a
         time per communicator."""
         info = self.mesh_info
+        if not isinstance(info, FSDPMeshInfo):
+            raise AssertionError(
+                f"set_separate_reduce_scatter_group needs sharded parameters, got {type(info).__name__}"
+            )
         if not enable:
             info.reduce_scatter_process_group = None
             return
@@ -296,15 +300,17 @@ class FSDPParamGroup:
         if not self._lazy_inited:
             self.lazy_init()
         post_forward = self._sharded_state == ShardedState.SHARDED_POST_FORWARD
-        info = self.post_forward_mesh_info if post_forward else self.mesh_info
+        info: DataParallelMeshInfo | None = (
+            self.post_forward_mesh_info if post_forward else self.mesh_info
+        )
         assert info is not None
         flat = self._flat_sharded if self._param_dtypes_uniform else None
         inp, sizes, as_bytes = all_gather_copy_in(
             self.fsdp_params, flat, self._uniform_param_dtype, self.device, post_forward
         )
-        world = info.shard_mesh_size
+        world = info.shard_mesh_size if isinstance(info, FSDPMeshInfo) else 1
         work: dist.Work | None = None
-        if world == 1:
+        if world == 1 or not isinstance(info, FSDPMeshInfo):
             output = inp
         else:
             output = self._all_gather_comm.allocate(
@@ -516,6 +522,8 @@ class FSDPParamGroup:
     @property
     def _reduce_scatter_group(self) -> dist.ProcessGroup | None:
         info = self.mesh_info
+        if not isinstance(info, FSDPMeshInfo):
+            return None  # replicate-only: gradients are all-reduced, never scattered
         return info.reduce_scatter_process_group or info.shard_process_group
 
     @property

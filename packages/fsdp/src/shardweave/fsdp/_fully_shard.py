@@ -146,7 +146,7 @@ def fully_shard(
                 f"{api} was already applied to {type(m).__name__} (by {existing.api_name}); "
                 "each distinct composable distributed API can only be applied to a module once"
             )
-    _check_policy_types(mp_policy, offload_policy)
+    check_policy_types(mp_policy, offload_policy)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(
             "reshard_after_forward should be a bool or an int representing the group size to "
@@ -170,7 +170,7 @@ def fully_shard(
         True if reshard_after_forward is None else reshard_after_forward, mesh_info
     )
     ignored = set(ignored_params or ())
-    roots = _root_modules(modules)
+    roots = root_modules(modules)
     managed = managed_modules(roots, ignored)
     params, buffers = managed_params_and_buffers(managed, ignored)
     move_states_to_device(params, buffers, device)
@@ -195,13 +195,13 @@ def fully_shard(
         m._is_fsdp_managed_module = True  # type: ignore[assignment]
         m._fsdp_use_orig_params = True  # type: ignore[assignment]
     for root in roots:
-        _swap_class(root, FSDPModule, "FSDP")
+        swap_class(root, FSDPModule, "FSDP")
     if isinstance(module, nn.Module):
         return cast(FSDPModule, module)
     return module
 
 
-def _check_policy_types(mp_policy: object, offload_policy: object) -> None:
+def check_policy_types(mp_policy: object, offload_policy: object) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -211,7 +211,7 @@ def _check_policy_types(mp_policy: object, offload_policy: object) -> None:
         )
 
 
-def _root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
+def root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
     """The listed modules that are not inside another listed module."""
     roots: list[nn.Module] = []
     for m in modules:
@@ -280,7 +280,7 @@ def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
     )
 
 
-def _swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
+def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
     cls = type(module)
     key = (cls, mixin)
     new_cls = _CLASS_CACHE.get(key)

@@ -1,0 +1,168 @@
+"""``replicate()``: DDP-style data parallelism on the shardweave FSDP engine.
+
+Parameters are ``Replicate()`` DTensors on a 1-D mesh; the engine's "all-gather" is a local
+copy (the shard group has one rank) and its reduction is an all-reduce over the replicate
+group, so every FSDPModule control that makes sense without sharding (gradient sync off,
+prefetch, mixed precision, the all-reduce hook) works unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import cast, overload
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from shardweave.fsdp._fsdp_init import (
+    managed_modules,
+    managed_params_and_buffers,
+    move_states_to_device,
+    validate_module,
+)
+from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
+from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
+from shardweave.fsdp._fully_shard import check_policy_types, root_modules, swap_class
+from shardweave.mesh import (
+    DataParallelMeshDims,
+    DDPMeshInfo,
+    FSDPMeshInfo,
+    MeshValidationError,
+    default_mesh,
+    mesh_device,
+    resolve_mesh_info,
+)
+
+__all__ = ["ReplicateModule", "replicate"]
+
+
+class ReplicateState(FSDPState):
+    """The FSDP state of a ``replicate`` call; a replicate root adopts only replicate states
+    (a ``fully_shard`` root adopts both)."""
+
+    api_name = "replicate"
+
+    @classmethod
+    def state_class_for_root(cls) -> type[FSDPState]:
+        return ReplicateState
+
+
+class ReplicateModule(FSDPModule):
+    """Mixed into every module ``replicate`` was applied to: ``isinstance(m, FSDPModule)``
+    holds and every ``FSDPModule`` method is available."""
+
+
+@overload
+def replicate(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+) -> ReplicateModule: ...
+
+
+@overload
+def replicate(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+) -> list[nn.Module]: ...
+
+
+def replicate(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> ReplicateModule | list[nn.Module]:
+    """Replicate ``module`` on every rank of ``mesh`` and average gradients (DDP semantics).
+
+    A drop-in for torch 2.13's ``torch.distributed._composable.replicate_with_fsdp.replicate``.
+    Apply it per block, then to the root; each call is one group: one all-reduce of all its
+    gradients per backward (more groups overlap communication with backward earlier, fewer
+    groups send fewer, larger messages).
+
+    Args:
+        module: the module, or a list of modules forming one group.
+        mesh: a 1-D mesh (default: all ranks, dim name ``"replicate"``), or a full SPMD mesh
+            with ``dp_mesh_dims`` naming only replicate dims.
+        mp_policy: mixed precision (compute in ``param_dtype``, reduce in ``reduce_dtype``).
+        offload_policy: ``CPUOffloadPolicy()`` keeps parameters and gradients on the CPU.
+        ignored_params: parameters left alone (not replicated, moved or reduced).
+        dp_mesh_dims: replicate-only data-parallel dims of a full SPMD mesh.
+
+    Example::
+
+        for block in model.layers:
+            replicate(block)
+        replicate(model)
+    """
+    api = "replicate"
+    modules: tuple[nn.Module, ...] = (module,) if isinstance(module, nn.Module) else tuple(module)
+    for m in modules:
+        state = get_fsdp_state(m)
+        if state is not None and not isinstance(state, ReplicateState):
+            raise RuntimeError(
+                "Cannot apply `replicate()` on a Module already managed by `fully_shard`"
+            )
+        if state is not None:
+            raise AssertionError(
+                "replicate was already applied to this module; each distinct composable "
+                "distributed API can only be applied to a module once"
+            )
+        validate_module(m, api)
+    check_policy_types(mp_policy, offload_policy)
+    mesh = mesh if mesh is not None else default_mesh(mesh_dim_names=("replicate",))
+    if dp_mesh_dims is not None:
+        mesh_info = resolve_mesh_info(mesh, dp_mesh_dims, api=api)
+        if isinstance(mesh_info, FSDPMeshInfo) or not isinstance(mesh_info, DDPMeshInfo):
+            raise ValueError(
+                "replicate() with dp_mesh_dims requires replicate-only dims (no shard dims); "
+                "use fully_shard() for sharding"
+            )
+    else:
+        if mesh.ndim != 1:
+            raise MeshValidationError(
+                f"replicate expects a 1D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; for "
+                "replicate x tensor parallel pass dp_mesh_dims=DataParallelMeshDims(replicate=...)"
+            )
+        mesh_info = DDPMeshInfo(mesh, replicate_mesh_dim=0)
+    device = mesh_device(mesh)
+    ignored = set(ignored_params or ())
+    roots = root_modules(modules)
+    managed = managed_modules(roots, ignored)
+    params, buffers = managed_params_and_buffers(managed, ignored)
+    move_states_to_device(params, buffers, device)
+    state = ReplicateState(roots, device, mp_policy, mesh_info, auto_reshard_after_forward=False)
+    try:
+        if params:
+            state._fsdp_param_groups = [
+                FSDPParamGroup(
+                    params,
+                    roots,
+                    mesh_info,
+                    None,  # parameters stay unsharded between forward and backward
+                    device,
+                    [None] * len(params),
+                    mp_policy,
+                    offload_policy,
+                )
+            ]
+    except BaseException:
+        state.detach()
+        raise
+    for root in roots:
+        swap_class(root, ReplicateModule, "Replicate")
+    if isinstance(module, nn.Module):
+        return cast(ReplicateModule, module)
+    return module

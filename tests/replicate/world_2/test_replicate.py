@@ -1,0 +1,167 @@
+"""replicate() on the shardweave engine against DDP and torch's own replicate.
+
+Oracles: *compatibility* (torch's FSDP-engine ``replicate``: bitwise placements, values,
+gradients), *reference* (``DistributedDataParallel``, and an unsharded model on the global
+batch, within fp32 tolerance: DDP divides before summing, we average in the collective).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.parallel import DistributedDataParallel
+
+from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from shardweave.replicate import ReplicateModule, replicate
+from tests._dist import WorkerPool, assert_close
+from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model
+from tests.fsdp._oracle import assert_same_as_torch
+
+
+def _per_block(model: nn.Module, api: Callable[..., Any], **kwargs: Any) -> None:
+    assert isinstance(model, TinyGPT)
+    for layer in model.layers:
+        api(layer, **kwargs)
+    api(model, **kwargs)
+
+
+def replicate_parity(rank: int, world: int, micro: int) -> None:
+    model = make_model("gpt")
+    ref, tmodel, ddp_base = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("replicate",))
+    _per_block(model, replicate, mesh=mesh)
+    _per_block(tmodel, torch_replicate, mesh=mesh)
+    ddp = DistributedDataParallel(ddp_base)
+    assert isinstance(model, ReplicateModule) and isinstance(model, FSDPModule)
+    assert type(model).__name__ == "ReplicateTinyGPT"
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.placements == (Replicate(),)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, tmodel, ddp, ref)]
+    for step in range(3):
+        for mb in range(micro):
+            sync = mb == micro - 1
+            model.set_requires_gradient_sync(sync)
+            tmodel.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            batches = [make_batch("gpt", 1000 * step + 100 * mb + r) for r in range(world)]
+            mine = batches[rank]
+            for m in (model, tmodel):
+                loss_fn("gpt", m(mine), mine).backward()
+            if sync:
+                loss_fn("gpt", ddp(mine), mine).backward()
+            else:
+                with ddp.no_sync():
+                    loss_fn("gpt", ddp(mine), mine).backward()
+            (sum(loss_fn("gpt", ref(b), b) for b in batches) / world).backward()  # type: ignore[union-attr]
+        assert_same_as_torch(model, tmodel, f"step {step}")
+        tol = {"rtol": 2e-5, "atol": 1e-4} if micro > 1 else {}
+        for (name, p), dp, rp in zip(
+            model.named_parameters(), ddp.parameters(), ref.parameters(), strict=True
+        ):
+            assert p.grad.placements == (Replicate(),)  # type: ignore[union-attr]
+            assert_close(p.grad.to_local(), dp.grad, msg=f"vs DDP {name}", **tol)  # type: ignore[union-attr, arg-type]
+            assert_close(p.grad.to_local(), rp.grad, msg=f"vs reference {name}", **tol)  # type: ignore[union-attr, arg-type]
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_replicate_parity(world2: WorkerPool, micro: int) -> None:
+    """Oracles: compatibility (torch's replicate, bitwise), DDP and reference."""
+    world2.run(replicate_parity, micro)
+
+
+def collectives_per_step(rank: int, world: int) -> None:
+    from tests.fsdp.world_2.test_features import count_collectives
+
+    model = make_model("gpt")
+    _per_block(model, replicate)
+    batch = make_batch("gpt", rank)
+    loss_fn("gpt", model(batch), batch).backward()
+    with count_collectives() as counts:
+        loss_fn("gpt", model(batch), batch).backward()
+    groups = len(model.layers) + 1  # type: ignore[arg-type]
+    assert counts["all_reduce"] == groups, dict(counts)
+    assert counts["all_gather_single"] == 0 and counts["reduce_scatter_single"] == 0, dict(counts)
+    # parameters stay unsharded after forward (no reshard, no second all-gather)
+    model(batch)
+    assert not isinstance(model.layers[0].qkv.weight, DTensor)  # type: ignore[index, union-attr]
+
+
+def test_one_all_reduce_per_group(world2: WorkerPool) -> None:
+    """Oracle: closed form: one all-reduce per group per backward, no all-gather/scatter."""
+    world2.run(collectives_per_step)
+
+
+def mixed_precision(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    model = make_model("gpt")
+    tmodel = copy.deepcopy(model)
+    _per_block(model, replicate, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    _per_block(tmodel, torch_replicate, mp_policy=TorchMP(torch.bfloat16, torch.float32))
+    batch = make_batch("gpt", rank)
+    for m in (model, tmodel):
+        loss_fn("gpt", m(batch).float(), batch).backward()
+    assert_same_as_torch(model, tmodel)
+
+
+def test_replicate_mixed_precision(world2: WorkerPool) -> None:
+    """Oracle: compatibility (bf16 compute, fp32 all-reduce)."""
+    world2.run(mixed_precision)
+
+
+def composition(rank: int, world: int) -> None:
+    # replicate a child, fully_shard the root: the root adopts the replicated child
+    model = make_model("gpt")
+    tmodel = copy.deepcopy(model)
+    for m, rep, fs in (
+        (model, replicate, fully_shard),
+        (tmodel, torch_replicate, torch_fully_shard),
+    ):
+        rep(m.layers[0])  # type: ignore[index]
+        fs(m)
+    batch = make_batch("gpt", rank)
+    for m in (model, tmodel):
+        loss_fn("gpt", m(batch), batch).backward()
+    assert model.layers[0].qkv.weight.placements == (Replicate(),)  # type: ignore[index, union-attr]
+    assert_same_as_torch(model, tmodel)
+
+
+def test_replicate_child_fully_shard_root(world2: WorkerPool) -> None:
+    """Oracle: compatibility (mixed placements, shared root)."""
+    world2.run(composition)
+
+
+def misuse(rank: int, world: int) -> None:
+    for rep, fs in ((torch_replicate, torch_fully_shard), (replicate, fully_shard)):
+        a = nn.Linear(2, 2)
+        fs(a)
+        with pytest.raises(RuntimeError, match="fully_shard"):
+            rep(a)
+        b = nn.Linear(2, 2)
+        rep(b)
+        with pytest.raises(AssertionError):
+            fs(b)
+        with pytest.raises(AssertionError):
+            b.set_reshard_after_forward(True)  # type: ignore[operator]
+        with pytest.raises(ValueError):
+            rep(
+                nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
+            )
+        with pytest.raises(ValueError):
+            rep(nn.ModuleList([nn.Linear(2, 2)]))
+
+
+def test_replicate_misuse_raises_like_torch(world2: WorkerPool) -> None:
+    """Oracle: compatibility (same exception types as torch's replicate)."""
+    world2.run(misuse)
