@@ -523,10 +523,13 @@ class _SampleParamHandler:
     def sharded_spec(self, param: object, mesh_info: object, shard_dim: int) -> object:
         return None
 
-    def unsharded(self, param_like: torch.Tensor, local_unsharded: torch.Tensor) -> torch.Tensor:
+    def template(self, param: torch.Tensor) -> object:
+        return None
+
+    def unsharded(self, template: object, local_unsharded: torch.Tensor) -> torch.Tensor:
         return local_unsharded
 
-    def reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
+    def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 

@@ -1,11 +1,15 @@
-"""shardweave.extensions: tensor-parallel interop and tensor-subclass all-gather plugins.
+"""shardweave.extensions: plugins that extend the shardweave FSDP engine.
 
-The plugins (DTensor parameters from ``parallelize_module``, ``fsdp_pre_all_gather`` /
-``fsdp_post_all_gather`` subclasses, state-dict chunking) arrive with the tensor-parallel
-issue; this release ships only the package and its version. Until then a DTensor parameter
-given to ``fully_shard`` raises ``shardweave.mesh.MissingExtensionError``.
+Installed, this package registers (through entry points, see its ``pyproject.toml``):
+
+* ``shardweave.param_handling`` / ``dtensor``: :class:`DTensorParamHandler`, so ``fully_shard``
+  and ``replicate`` accept DTensor parameters from ``parallelize_module`` (FSDP x TP on a
+  ``(dp, tp)`` mesh, ``_StridedShard`` where both shard one dim).
+
+Still to come: the tensor-subclass all-gather protocol and TP-aware state-dict helpers.
 """
 
 from shardweave.extensions._version import __version__
+from shardweave.extensions.tensor_parallel import DTensorParamHandler
 
-__all__ = ["__version__"]
+__all__ = ["DTensorParamHandler", "__version__"]

@@ -18,7 +18,7 @@ from shardweave.fsdp._fsdp_common import (
     dim_chunked_size,
 )
 from shardweave.mesh import FSDPMeshInfo, HSDPMeshInfo
-from shardweave.mesh.extension_points import PARAM_HANDLING
+from shardweave.mesh.extension_points import PARAM_HANDLING, ParamHandler
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
@@ -138,14 +138,16 @@ class FSDPParam:
 
     # --- construction -------------------------------------------------------------------------
     def _init_sharded_param(self, param: nn.Parameter, placement: Shard | None) -> None:
+        # A DTensor parameter (tensor parallel) is handled by a plugin: FSDP shards its local
+        # tensor and the plugin says how the result is placed and rebuilt. Without a plugin this
+        # raises MissingExtensionError naming the package to install.
+        self._handler: ParamHandler | None = None
+        self._template: object = None
+        data: torch.Tensor = param
         if isinstance(param, DTensor):
-            # DTensor parameters (tensor parallel) are sharded by a plugin; without one this
-            # raises MissingExtensionError naming the package to install.
-            PARAM_HANDLING.get_for_type(type(param), what=f"parameter '{self.param_fqn}'")
-            raise NotImplementedError(
-                f"fully_shard: parameter '{self.param_fqn}' is a DTensor; this version of the "
-                "engine does not yet shard DTensor (tensor-parallel) parameters"
-            )
+            handler = PARAM_HANDLING.get_for_type(type(param), what=f"parameter '{self.param_fqn}'")
+            data = handler.local_tensor(param)
+            self._handler, self._template = handler, handler.template(param)
         if param.ndim == 0:
             raise ValueError(
                 f"fully_shard does not support 0-dim parameters: '{self.param_fqn}' has shape (). "
@@ -156,36 +158,36 @@ class FSDPParam:
                 f"fully_shard: expected '{self.param_fqn}' on {self.device} but it is on "
                 f"{param.device}"
             )
-        if not param.is_contiguous():
+        if not data.is_contiguous():
             raise NotImplementedError(
                 f"fully_shard requires contiguous parameters, but '{self.param_fqn}' has shape "
-                f"{tuple(param.shape)} and stride {param.stride()} (e.g. channels_last); call "
+                f"{tuple(data.shape)} and stride {data.stride()} (e.g. channels_last); call "
                 "module.to(memory_format=torch.contiguous_format) first"
             )
         shard_dim = 0 if placement is None else placement.dim
         if shard_dim < 0:
-            shard_dim += param.ndim
-        if not 0 <= shard_dim < param.ndim:
+            shard_dim += data.ndim
+        if not 0 <= shard_dim < data.ndim:
             raise AssertionError(
-                f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor '{self.param_fqn}'"
+                f"Shard dim {shard_dim} is invalid for {data.ndim}D tensor '{self.param_fqn}'"
             )
         world, rank = self.shard_world_size, self.shard_rank
-        if shard_dim > 0 and param.size(shard_dim) % world != 0:
+        if shard_dim > 0 and data.size(shard_dim) % world != 0:
             raise NotImplementedError(
                 f"fully_shard does not support uneven sharding on dim {shard_dim}: "
-                f"'{self.param_fqn}' has size {param.size(shard_dim)} there and the shard group "
+                f"'{self.param_fqn}' has size {data.size(shard_dim)} there and the shard group "
                 f"has {world} ranks; shard on dim 0 or pick a dim divisible by {world}"
             )
         self.shard_dim = shard_dim
         self.fsdp_placement = Shard(shard_dim)
-        self.orig_size = param.size()
+        self.orig_size = data.size()  # what is gathered: the TP-local size for a DTensor
         self.orig_dtype = param.dtype
-        chunks = chunk_with_empty(param.detach(), world, shard_dim)
-        self.sharded_size = dim_chunked_size(chunks[rank], param.size(), shard_dim)
+        chunks = chunk_with_empty(data.detach(), world, shard_dim)
+        self.sharded_size = dim_chunked_size(chunks[rank], data.size(), shard_dim)
         self.padded_sharded_size = chunks[0].size()  # chunk 0 is always the largest
         self.padded_sharded_numel = self.padded_sharded_size.numel()
         self.sharded_numel = self.sharded_size.numel()
-        padded = param.new_zeros(self.padded_sharded_size, device=param.device)
+        padded = data.new_zeros(self.padded_sharded_size, device=data.device)
         if chunks[rank].numel() > 0:
             padded.narrow(shard_dim, 0, chunks[rank].size(shard_dim)).copy_(chunks[rank])
         if self.offload_to_cpu and padded.device.type != "meta":
@@ -195,7 +197,9 @@ class FSDPParam:
         self._sharded_param_data = padded.view(-1)
         mesh = self.mesh_info.mesh
         placements: tuple[Placement, ...]
-        if isinstance(self.mesh_info, HSDPMeshInfo):
+        if self._handler is not None:
+            mesh, placements = self._handler.sharded_spec(param, self.mesh_info, shard_dim)
+        elif isinstance(self.mesh_info, HSDPMeshInfo):
             placements = (Replicate(), self.fsdp_placement)
         elif not isinstance(self.mesh_info, FSDPMeshInfo):
             placements = (Replicate(),)
@@ -326,6 +330,8 @@ class FSDPParam:
         unsharded = self.all_gather_output.as_strided(
             self.orig_size, _contiguous_strides(self.orig_size), 0
         )
+        if self._handler is not None:
+            unsharded = self._handler.unsharded(self._template, unsharded)
         self._unsharded_param = nn.Parameter(
             unsharded, requires_grad=self.sharded_param.requires_grad
         )
@@ -362,6 +368,11 @@ class FSDPParam:
             raise AssertionError("to_sharded_post_forward needs a post-forward mesh")
         if self.sharded_state != ShardedState.UNSHARDED:
             raise AssertionError(f"expected UNSHARDED, got {self.sharded_state}")
+        if self._handler is not None:
+            raise NotImplementedError(
+                f"an int reshard_after_forward is not supported for DTensor parameter "
+                f"'{self.param_fqn}' (tensor parallel); pass True or False"
+            )
         numel = self.all_gather_output.numel() // info.shard_mesh_size
         self._sharded_post_forward_data = self.all_gather_output.narrow(
             0, numel * info.shard_mesh_rank, numel
@@ -437,7 +448,13 @@ class FSDPParam:
         self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
 
     def take_unsharded_grad(self, zero_if_unused: bool) -> torch.Tensor | None:
-        """Pop this parameter's pending unsharded gradient for reduction."""
+        """Pop this parameter's pending unsharded gradient, as the local tensor to reduce."""
+        grad = self._take_unsharded_grad(zero_if_unused)
+        if grad is not None and self._handler is not None and isinstance(grad, DTensor):
+            grad = self._handler.reduce_grad(self._template, grad)
+        return grad
+
+    def _take_unsharded_grad(self, zero_if_unused: bool) -> torch.Tensor | None:
         if self._unsharded_param is None:
             return None
         if self.unsharded_accumulated_grad is not None:

@@ -82,16 +82,19 @@ class ParamHandler(Protocol):
         """
         ...
 
-    def unsharded(self, param_like: torch.Tensor, local_unsharded: torch.Tensor) -> torch.Tensor:
-        """The unsharded parameter rebuilt from the all-gathered ``local_unsharded``.
-
-        ``param_like`` is the original parameter (or one distributed the same way), the
-        template for what to rebuild, e.g. which TP mesh and placements to wrap into.
-        """
+    def template(self, param: torch.Tensor) -> object:
+        """What ``unsharded`` and ``reduce_grad`` need to know of ``param`` (e.g. its DTensor
+        spec), kept for the parameter's lifetime; it must not hold ``param``'s storage."""
         ...
 
-    def reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The local tensor to reduce-scatter, from the unsharded parameter's gradient."""
+    def unsharded(self, template: object, local_unsharded: torch.Tensor) -> torch.Tensor:
+        """The unsharded parameter rebuilt from the all-gathered ``local_unsharded`` (whose
+        dtype may be a mixed-precision ``param_dtype``), e.g. wrapped into the TP DTensor."""
+        ...
+
+    def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
+        """The local tensor to reduce-scatter, from the unsharded parameter's gradient (e.g.
+        a TP gradient redistributed to the parameter's placements, then its local tensor)."""
         ...
 
 
