@@ -157,3 +157,27 @@ def int_reshard_with_tp(rank: int, world: int) -> None:
 def test_int_reshard_after_forward_with_tp_raises_like_torch(world4: WorkerPool) -> None:
     """Oracle: compatibility (NotImplementedError at the first post-forward reshard)."""
     world4.run(int_reshard_with_tp)
+
+
+def replicate_tp_parity(rank: int, world: int) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+
+    from shardweave.replicate import replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, tmodel = _build(replicate, mesh), _build(torch_replicate, mesh)
+    torch.manual_seed(0)
+    ref = Stack()
+    dp_rank = mesh["dp"].get_local_rank()
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    for m in (model, tmodel):
+        m(xs[dp_rank]).sum().backward()
+    (sum(ref(x).sum() for x in xs) / 2).backward()  # type: ignore[union-attr]
+    assert_same_as_torch(model, tmodel)
+    for (name, p), rp in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert_close(p.grad.full_tensor(), rp.grad, msg=name)  # type: ignore[union-attr, arg-type]
+
+
+def test_replicate_tp_parity(world4: WorkerPool) -> None:
+    """Oracles: compatibility (torch's replicate on the TP model) and reference."""
+    world4.run(replicate_tp_parity)
