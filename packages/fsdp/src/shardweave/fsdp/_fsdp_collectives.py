@@ -147,7 +147,7 @@ def all_gather_copy_in(
         if param_dtype is not None and data.dtype != param_dtype:
             data = data.to(param_dtype)
         return data, [p.padded_sharded_numel for p in fsdp_params], False
-    inputs = [p.all_gather_input() for p in fsdp_params]
+    inputs = [t for p in fsdp_params for t in p.all_gather_inputs()]
     dtypes = {t.dtype for t in inputs}
     as_bytes = len(dtypes) > 1
     if as_bytes:
@@ -165,16 +165,17 @@ def all_gather_copy_out(result: AllGatherResult, fsdp_params: Sequence[FSDPParam
     outs: list[torch.Tensor] = []
     fixups: list[tuple[FSDPParam, torch.Tensor]] = []
     for fsdp_param in fsdp_params:
-        target = fsdp_param.alloc_all_gather_output()
-        if fsdp_param.shard_dim != 0 and not result.post_forward:
+        targets = fsdp_param.alloc_all_gather_outputs()
+        if fsdp_param.shard_dim != 0 and not result.post_forward and not fsdp_param.has_extension:
             # Rows of a dim-d shard are chunks along d: gather into a scratch buffer, then
             # concatenate along d into the real layout.
-            scratch = torch.empty_like(target)
+            scratch = torch.empty_like(targets[0])
             fixups.append((fsdp_param, scratch))
-            target = scratch
-        if result.as_bytes:
-            target = target.view(torch.uint8)
-        outs.append(target.view(world, -1))
+            targets = [scratch]
+        for target in targets:
+            if result.as_bytes:
+                target = target.view(torch.uint8)
+            outs.append(target.view(world, -1))
     gathered = result.output.view(world, -1)
     if len(outs) == 1:
         outs[0].copy_(gathered)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
@@ -97,6 +100,13 @@ class FSDPParam:
     all_gather_output: torch.Tensor  # 1D, every rank's padded shard, rank-major
     _sharded_param_data: torch.Tensor  # 1D, padded: this rank's shard plus zero padding
     _sharded_post_forward_data: torch.Tensor | None  # 1D, this rank's 1/k of the padded full
+    # fsdp_pre/post_all_gather extension state (None/empty for plain tensors)
+    _ext: tuple[Callable[..., Any], Callable[..., Any]] | None
+    _ext_metadata: Any
+    _ext_input_shapes: list[torch.Size]
+    _ext_input_dtypes: list[torch.dtype]
+    _ext_outputs: list[torch.Tensor] | None  # 1D each, every rank's input i, rank-major
+    _ext_inner: tuple[torch.Tensor, ...]  # tensors post_all_gather allocated; freed on reshard
 
     def __init__(
         self,
@@ -131,6 +141,12 @@ class FSDPParam:
         self._sharded_post_forward_param: nn.Parameter | None = None
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
+        self._ext = None
+        self._ext_metadata = None
+        self._ext_input_shapes, self._ext_input_dtypes = [], []
+        self._ext_outputs, self._ext_inner = None, ()
+        self._ext_mp_policy: MixedPrecisionPolicy | None = None
+        self._ext_legacy = False
         if not hasattr(param, _UID_ATTR):
             setattr(param, _UID_ATTR, next(_uids))
         self.orig_param_uid: int = getattr(param, _UID_ATTR)
@@ -294,6 +310,115 @@ class FSDPParam:
         return True
 
     # --- all-gather ---------------------------------------------------------------------------
+    # --- tensor-subclass all-gather extension (torch's fsdp_pre/post_all_gather protocol) -------
+    def detect_extension(self, mp_policy: MixedPrecisionPolicy) -> None:
+        """Use the sharded local tensor's ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` (as
+        methods of a subclass or attributes patched on the tensor), re-detected at lazy init so
+        patching after ``to_empty`` works."""
+        local = _local_tensor(self.sharded_param)
+        pre = getattr(local, "fsdp_pre_all_gather", None)
+        post = getattr(local, "fsdp_post_all_gather", None)
+        if (pre is None) != (post is None):
+            raise AssertionError(
+                f"'{self.param_fqn}': a tensor defining one of fsdp_pre_all_gather / "
+                "fsdp_post_all_gather must define both"
+            )
+        self._ext = None if pre is None or post is None else (pre, post)
+        self._ext_mp_policy = mp_policy
+        if pre is not None:
+            arity = len(inspect.signature(pre).parameters)
+            if arity not in (1, 5):
+                raise AssertionError(
+                    f"'{self.param_fqn}': fsdp_pre_all_gather must take (mesh) or (mesh, "
+                    f"outer_size, outer_stride, module, mp_policy), got {arity} parameters"
+                )
+            self._ext_legacy = arity == 1
+
+    @property
+    def has_extension(self) -> bool:
+        return self._ext is not None
+
+    def _shard_mesh(self) -> DeviceMesh:
+        mesh = self.mesh_info.mesh
+        if mesh.ndim == 1 or self.mesh_info.shard_mesh_dim is None:
+            return mesh
+        names = mesh.mesh_dim_names
+        assert names is not None
+        return mesh[names[self.mesh_info.shard_mesh_dim]]
+
+    def all_gather_inputs(self) -> list[torch.Tensor]:
+        """This rank's 1D contributions to the group's all-gather (usually one)."""
+        if self._ext is None:
+            return [self.all_gather_input()]
+        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            raise NotImplementedError(
+                f"'{self.param_fqn}': fsdp_pre_all_gather extensions are not supported with an "
+                "int reshard_after_forward"
+            )
+        pre, _ = self._ext
+        if self._ext_legacy:
+            inputs, self._ext_metadata = pre(self._shard_mesh())
+        else:
+            inputs, self._ext_metadata = pre(
+                self._shard_mesh(),
+                self.orig_size,
+                _contiguous_strides(self.orig_size),
+                self._module_info.module,
+                self._ext_mp_policy,
+            )
+        if self.sharded_size != self.padded_sharded_size and any(
+            t.size() != self.padded_sharded_size for t in inputs
+        ):
+            raise AssertionError(
+                f"'{self.param_fqn}': with uneven sharding every fsdp_pre_all_gather output must "
+                f"have the padded size {tuple(self.padded_sharded_size)}, got "
+                f"{[tuple(t.size()) for t in inputs]}"
+            )
+        self._ext_input_shapes = [t.size() for t in inputs]
+        self._ext_input_dtypes = [t.dtype for t in inputs]
+        return [t.to(self.device).contiguous().view(-1) for t in inputs]
+
+    def alloc_all_gather_outputs(self) -> list[torch.Tensor]:
+        """The 1D output buffers, one per all-gather input, storage allocated."""
+        if self._ext is None:
+            return [self.alloc_all_gather_output()]
+        world = self.shard_world_size
+        outs = self._ext_outputs
+        if outs is None:
+            # Shapes and dtypes are fixed after the first pre-all-gather, as torch assumes.
+            dtypes = self._ext_input_dtypes
+            outs = [
+                torch.empty(world * s.numel(), dtype=d, device=self.device)
+                for s, d in zip(self._ext_input_shapes, dtypes, strict=True)
+            ]
+            self._ext_outputs = outs
+        else:
+            for out in outs:
+                _alloc_storage(out)
+        return outs
+
+    def _finish_extension_unshard(self) -> None:
+        assert self._ext is not None and self._ext_outputs is not None
+        _, post = self._ext
+        outs = [
+            o.view(-1, *shape[1:])
+            for o, shape in zip(self._ext_outputs, self._ext_input_shapes, strict=True)
+        ]
+        dtype = self.param_dtype or self.orig_dtype
+        if self._unsharded_param is None:
+            unsharded, inner = post(outs, self._ext_metadata, dtype)
+            self._ext_inner = tuple(inner)
+            self._unsharded_param = nn.Parameter(
+                unsharded.view(self.orig_size), requires_grad=self.sharded_param.requires_grad
+            )
+        else:
+            for t in self._ext_inner:
+                _alloc_storage(t)
+            # Refill in place: the parameter autograd saved must keep its version.
+            with torch.autograd.grad_mode._unsafe_preserve_version_counter(self._unsharded_param):
+                post(outs, self._ext_metadata, dtype, out=self._unsharded_param)
+        self._ext_metadata = None
+
     def all_gather_input(self) -> torch.Tensor:
         """This rank's 1D contribution to the group's all-gather (cast/moved as needed)."""
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
@@ -325,6 +450,9 @@ class FSDPParam:
 
     def init_unsharded_param(self) -> None:
         """Create the unsharded parameter once; later unshards refill its storage in place."""
+        if self._ext is not None:
+            self._finish_extension_unshard()
+            return
         if self._unsharded_param is not None:
             return
         unsharded = self.all_gather_output.as_strided(
@@ -359,6 +487,8 @@ class FSDPParam:
         self._free_post_forward_data()
         if hasattr(self, "all_gather_output"):
             _free_storage(self.all_gather_output)
+        for t in (*(self._ext_outputs or ()), *self._ext_inner):
+            _free_storage(t)
         self.sharded_state = ShardedState.SHARDED
 
     def to_sharded_post_forward(self) -> None:

@@ -231,6 +231,7 @@ class FSDPParamGroup:
     def _init_mp_dtypes(self) -> None:
         for p in self.fsdp_params:
             p.init_dtype_attrs(self.mp_policy)
+            p.detect_extension(self.mp_policy)
         trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
         orig = {p.orig_dtype for p in trainable}
         if len(orig) > 1:
@@ -248,7 +249,8 @@ class FSDPParamGroup:
         params = self.fsdp_params
         dtypes = {p.param_dtype for p in params}
         # The flat fast path casts the whole buffer at once, so every param must want the same.
-        self._param_dtypes_uniform = len(dtypes) == 1
+        # Extensions produce their own inputs, so the flat fast path does not apply.
+        self._param_dtypes_uniform = len(dtypes) == 1 and not any(p.has_extension for p in params)
         self._uniform_param_dtype = next(iter(dtypes)) if self._param_dtypes_uniform else None
 
     def _validate_no_meta_params(self) -> None:
@@ -336,7 +338,7 @@ class FSDPParamGroup:
         if result.work is not None:
             result.work.wait()
         self._all_gather_result = None
-        outs = tuple(p.alloc_all_gather_output() for p in self.fsdp_params)
+        outs = tuple(t for p in self.fsdp_params for t in p.alloc_all_gather_outputs())
         # See Design note: storage resize (FSDPParam). Refilling must not bump the version
         # counter, or autograd would reject the parameters it saved in forward.
         with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):

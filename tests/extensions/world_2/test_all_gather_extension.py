@@ -1,0 +1,71 @@
+"""The fsdp_pre/post_all_gather protocol, through the example low-precision all-gather.
+
+Oracles: *compatibility* (torch's fully_shard with the same hooks: bitwise equal params and
+grads), *closed form* (all-gather bytes halve for bf16 over fp32), *reference* (an unsharded
+model whose forward uses bf16-rounded parameters).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from shardweave.extensions.all_gather import all_gather_in_dtype
+from shardweave.fsdp import fully_shard
+from tests._dist import WorkerPool
+from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
+from tests.fsdp._oracle import assert_same_as_torch
+from tests.fsdp.world_2.test_features import count_collectives
+
+
+def low_precision_all_gather(rank: int, world: int) -> None:
+    model = make_model("gpt")
+    tmodel, plain = copy.deepcopy(model), copy.deepcopy(model)
+    shard_blocks(model, fully_shard)
+    shard_blocks(tmodel, torch_fully_shard)
+    shard_blocks(plain, fully_shard)
+    assert all_gather_in_dtype(model, torch.bfloat16) == len(list(model.parameters()))
+    all_gather_in_dtype(tmodel, torch.bfloat16)
+    batch = make_batch("gpt", rank)
+    loss_fn("gpt", plain(batch), batch).backward()  # warm-up (lazy init) outside the count
+    with count_collectives() as plain_counts:
+        loss_fn("gpt", plain(batch), batch).backward()
+    for step in range(3):
+        batch = make_batch("gpt", 10 * step + rank)
+        with count_collectives() as counts:
+            out = model(batch)
+            loss_fn("gpt", out, batch).backward()
+        loss_fn("gpt", tmodel(batch), batch).backward()
+        assert out.dtype == torch.float32  # compute stays fp32
+        assert_same_as_torch(model, tmodel, f"step {step}")
+        if step > 0:  # after lazy init: bf16 all-gather carries half of fp32's payload
+            assert counts["all_gather_single"] == plain_counts["all_gather_single"]
+            ratio = counts["all_gather_single_bytes"] / plain_counts["all_gather_single_bytes"]
+            assert 0.45 < ratio < 0.55, ratio
+        for m in (model, tmodel):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(0.05 * p.grad)  # type: ignore[operator]
+            m.zero_grad(set_to_none=True)
+
+
+def test_low_precision_all_gather_extension(world2: WorkerPool) -> None:
+    """Oracles: compatibility (bitwise vs torch with the same hooks) and closed form (bytes)."""
+    world2.run(low_precision_all_gather)
+
+
+def one_sided_hooks(rank: int, world: int) -> None:
+    model = make_model("mlp")
+    fully_shard(model)
+    local = model.in_proj.weight._local_tensor  # type: ignore[union-attr]
+    local.fsdp_pre_all_gather = lambda mesh: ((local,), None)  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="must define both"):
+        model(make_batch("mlp", 0))
+
+
+def test_hooks_must_come_in_pairs(world2: WorkerPool) -> None:
+    """Oracle: closed form (torch raises AssertionError for a one-sided extension)."""
+    world2.run(one_sided_hooks)
