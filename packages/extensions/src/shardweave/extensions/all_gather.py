@@ -68,7 +68,8 @@ def _post(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
     (gathered,) = all_gather_outputs
-    (outer_size,) = metadata  # type: ignore[misc]
+    assert isinstance(metadata, tuple)
+    outer_size: torch.Size = metadata[0]
     full = gathered[: outer_size[0]]
     if out is not None:
         # Autograd saved `out` in the forward: refill it without bumping its version (torch's
