@@ -34,14 +34,35 @@ __all__ = [
 ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
 
 
-class DefaultAllGather(AllGather):
-    """``all_gather_single`` on the group, into a ``torch.empty`` buffer."""
+class _EmptyAllocate:
+    """Staging buffers from ``torch.empty`` (the caching allocator on GPUs)."""
 
     def allocate(
         self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
+
+class _GroupAllocate:
+    """Staging buffers from the process group's own allocator when its backend has one (NCCL
+    zero-copy registration); otherwise (gloo) ``torch.empty``, as torch's FSDP2 does."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def allocate(
+        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        backend = self._group._get_backend(device)
+        if backend.supports_tensor_alloc(device):
+            numel = 1
+            for s in size:
+                numel *= int(s)
+            return backend.allocate_tensor(numel, dtype=dtype, device=device)
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class _AllGatherSingle(AllGather):
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -53,14 +74,7 @@ class DefaultAllGather(AllGather):
         return cast("dist.Work | None", work)
 
 
-class DefaultReduceScatter(ReduceScatter):
-    """``reduce_scatter_single`` on the group, into a ``torch.empty`` buffer."""
-
-    def allocate(
-        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
+class _ReduceScatterSingle(ReduceScatter):
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -75,45 +89,20 @@ class DefaultReduceScatter(ReduceScatter):
         return cast("dist.Work | None", work)
 
 
-def _allocate_from_group(
-    group: dist.ProcessGroup,
-    size: tuple[int, ...] | torch.Size,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    # Backends with their own allocator (NCCL with zero-copy) hand out registered memory;
-    # others (gloo) fall back to torch.empty, as torch's FSDP2 does.
-    backend = group._get_backend(device)
-    if backend.supports_tensor_alloc(device):
-        numel = 1
-        for s in size:
-            numel *= int(s)
-        return backend.allocate_tensor(numel, dtype=dtype, device=device)
-    return torch.empty(size, dtype=dtype, device=device)
+class DefaultAllGather(_EmptyAllocate, _AllGatherSingle):
+    """``all_gather_single`` on the group, into a ``torch.empty`` buffer."""
 
 
-class ProcessGroupAllocAllGather(DefaultAllGather):
+class DefaultReduceScatter(_EmptyAllocate, _ReduceScatterSingle):
+    """``reduce_scatter_single`` on the group, into a ``torch.empty`` buffer."""
+
+
+class ProcessGroupAllocAllGather(_GroupAllocate, _AllGatherSingle):
     """All-gather whose buffers come from the process group's allocator when it has one."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = group
 
-    def allocate(
-        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _allocate_from_group(self._group, size, dtype, device)
-
-
-class ProcessGroupAllocReduceScatter(DefaultReduceScatter):
+class ProcessGroupAllocReduceScatter(_GroupAllocate, _ReduceScatterSingle):
     """Reduce-scatter whose buffers come from the process group's allocator when it has one."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = group
-
-    def allocate(
-        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _allocate_from_group(self._group, size, dtype, device)
 
 
 @dataclass
