@@ -1,8 +1,8 @@
-"""Benchmark shardweave's ``fully_shard`` against torch's on the same models, in one run.
+"""Benchmark shardweave's ``fully_shard`` and ``replicate`` against torch's on the same models.
 
 Run::
 
-    python benchmarks/run.py [--world-size 2] [--steps 30] [--json bench-results/fsdp.json]
+    python benchmarks/run.py [--world-size 2] [--steps N] [--json bench-results/fsdp.json]
 
 Spawns ``--world-size`` CPU processes (gloo over a ``FileStore`` in a temporary directory, so
 no port is ever bound) and, for each workload, builds one model per implementation from the
@@ -10,14 +10,20 @@ same seed and trains them side by side on the same per-rank batches:
 
 * ``mlp16``: 16 x (Linear(64, 64) + ReLU), each pair ``fully_shard``-ed, then the root; SGD.
 * ``gpt``: the demo's GPT (``demos/model.py``), each block ``fully_shard``-ed, then the root; AdamW.
+* ``replicate``: the same GPT and AdamW under data parallelism, three ways: ``shardweave``
+  (``shardweave.replicate.replicate`` per block, then the root), ``torch-replicate`` (torch's
+  FSDP-engine ``replicate_with_fsdp.replicate``, the same way) and ``ddp``
+  (``DistributedDataParallel`` on the plain model). Fewer timed steps by default (three
+  implementations share the time budget); the minimum traffic is one all-reduce of every
+  gradient byte per step.
 
 Timed steps alternate A/B/B/A between the implementations so slow drift (thermal, other load)
 hits both equally; a step's time is the slowest rank's. One extra step per implementation runs
 under a dispatch mode that records every c10d collective, so the report also gives collectives
 and bytes per step by kind, next to the theoretical minimum for the sharding layout.
 
-If ``shardweave.fsdp`` does not import (or fails while running), the report says so and the
-torch numbers are still produced.
+If ``shardweave.fsdp`` or ``shardweave.replicate`` does not import (or fails while running),
+the report says so and the torch numbers are still produced.
 """
 
 from __future__ import annotations
@@ -48,7 +54,18 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "demos"))
 from model import GPT, GPTConfig
 
-IMPLS: Final = ("shardweave", "torch")
+# Implementation names as reports and ``--impls`` spell them; a workload maps each of its
+# implementations to an engine (``shardweave`` means ``fully_shard`` in the FSDP workloads and
+# ``replicate`` in the replicate one).
+FSDP_IMPLS: Final = {"shardweave": "shardweave", "torch": "torch"}
+REPLICATE_IMPLS: Final = {
+    "shardweave": "shardweave.replicate",
+    "torch-replicate": "torch-replicate",
+    "ddp": "ddp",
+}
+IMPLS: Final = ("shardweave", "torch", "torch-replicate", "ddp")
+# Engines the crash fallback keeps (everything that is not shardweave's).
+TORCH_ENGINES: Final = ("torch", "torch-replicate", "ddp")
 KINDS: Final = ("all_gather", "reduce_scatter", "all_reduce", "other")
 # A hung collective (say one rank raised mid-step) becomes an error instead of a hang; the
 # parent then reruns with torch alone.
@@ -57,19 +74,36 @@ COLLECTIVE_TIMEOUT: Final = datetime.timedelta(seconds=120)
 FullyShard = Callable[..., Any]
 
 
-def load_fully_shard(impl: str) -> FullyShard:
-    if impl == "shardweave":
+def load_engine(engine: str) -> FullyShard:
+    """The per-module wrapper an engine applies (``ddp`` returns the DDP class itself)."""
+    if engine == "shardweave":
         from shardweave.fsdp import fully_shard as sw_fully_shard
 
         return sw_fully_shard
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    if engine == "torch":
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    return torch_fully_shard
+        return torch_fully_shard
+    if engine == "shardweave.replicate":
+        from shardweave.replicate import replicate as sw_replicate
+
+        return sw_replicate
+    if engine == "torch-replicate":
+        from torch.distributed._composable.replicate_with_fsdp import (
+            replicate as torch_replicate,
+        )
+
+        return torch_replicate
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel
+    raise ValueError(f"unknown engine {engine!r}")
 
 
-def import_error(impl: str) -> str | None:
+def import_error(engine: str) -> str | None:
     try:
-        load_fully_shard(impl)
+        load_engine(engine)
     except Exception as e:  # any failure, not just ImportError: a half-written package counts
         return f"{type(e).__name__}: {e}"
     return None
@@ -151,6 +185,25 @@ class Workload:
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     make_batch: Callable[[int], tuple[torch.Tensor, ...]]
     loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+    # Implementation name -> engine (see ``load_engine``); the first is the one under test,
+    # the others are the baselines its median step time is divided by.
+    impls: dict[str, str] = field(default_factory=lambda: dict(FSDP_IMPLS))
+    # Timed steps per implementation when ``--steps`` is not given.
+    default_steps: int = 30
+    # "fsdp": fully_shard every unit; "replicate": replicate every unit (``ddp``: wrap the root).
+    mode: str = "fsdp"
+
+    @property
+    def baselines(self) -> list[str]:
+        return [impl for impl in self.impls if impl != "shardweave"]
+
+    def wrap(self, engine: str, model: nn.Module) -> nn.Module:
+        apply = load_engine(engine)
+        if engine == "ddp":
+            return apply(model)  # type: ignore[no-any-return]
+        for unit in self.shard_units(model):
+            apply(unit)
+        return model
 
 
 def _mlp16() -> nn.Module:
@@ -210,6 +263,22 @@ WORKLOADS: Final = (
         make_batch=_gpt_batch,
         loss=_gpt_loss,
     ),
+    Workload(
+        name="replicate",
+        description=(
+            f"GPT {GPT_CONFIG.n_layer} blocks, n_embd {GPT_CONFIG.n_embd}, vocab "
+            f"{GPT_CONFIG.vocab_size}: per-block replicate + root (ddp: DistributedDataParallel"
+            f" on the plain model); AdamW; batch 8x{GPT_CONFIG.block_size} tokens"
+        ),
+        build=lambda: GPT(GPT_CONFIG),
+        shard_units=_gpt_units,
+        make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        make_batch=_gpt_batch,
+        loss=_gpt_loss,
+        impls=dict(REPLICATE_IMPLS),
+        default_steps=12,
+        mode="replicate",
+    ),
 )
 
 
@@ -254,6 +323,27 @@ def theoretical_min(model: nn.Module, units: list[nn.Module], world_size: int) -
     }
 
 
+def theoretical_min_replicate(model: nn.Module, units: list[nn.Module]) -> dict[str, int]:
+    """Bytes per training step data parallelism cannot avoid: every gradient all-reduced once
+    (the parameters are already whole on every rank, so nothing is gathered)."""
+    claimed: set[nn.Parameter] = set()
+    grads = groups_with_params = 0
+    for unit in units:
+        params = [p for p in unit.parameters() if p not in claimed]
+        claimed.update(params)
+        groups_with_params += bool(params)
+        grads += sum(p.nbytes for p in params if p.requires_grad)
+    return {
+        "all_gather_bytes": 0,
+        "all_gather_bytes_padded": 0,
+        "reduce_scatter_bytes": 0,
+        "reduce_scatter_bytes_padded": 0,
+        "all_reduce_bytes": grads,
+        "groups": len(units),
+        "groups_with_own_params": groups_with_params,
+    }
+
+
 # --------------------------------------------------------------------------------------
 # Worker
 
@@ -273,11 +363,8 @@ class _Runner:
     """One implementation's model + optimizer for one workload, on this rank."""
 
     def __init__(self, impl: str, workload: Workload, rank: int) -> None:
-        fully_shard = load_fully_shard(impl)
         torch.manual_seed(0)  # same init for every implementation and every rank
-        self.model = workload.build()
-        for unit in workload.shard_units(self.model):
-            fully_shard(unit)
+        self.model = workload.wrap(workload.impls[impl], workload.build())
         self.opt = workload.make_optimizer(self.model.parameters())
         self.batch = workload.make_batch(rank)
         self.loss_fn = workload.loss
@@ -299,8 +386,10 @@ def _all_agree(ok: bool) -> bool:
 
 
 def _run_workload(
-    workload: Workload, impls: list[str], args: argparse.Namespace, rank: int, world: int
+    workload: Workload, engines: list[str], args: argparse.Namespace, rank: int, world: int
 ) -> dict[str, Any]:
+    steps = args.steps if args.steps is not None else workload.default_steps
+    impls = [i for i, e in workload.impls.items() if i in args.impls and e in engines]
     results = {impl: ImplResult() for impl in impls}
     runners: dict[str, _Runner] = {}
     for impl in impls:
@@ -321,9 +410,9 @@ def _run_workload(
     # A/B/B/A: each implementation runs first and last equally often, cancelling linear drift.
     active = list(runners)
     order: list[str] = []
-    while len(order) < args.steps * len(active):
+    while len(order) < steps * len(active):
         order += active + active[::-1]
-    order = order[: args.steps * len(active)]
+    order = order[: steps * len(active)]
     local_ms: dict[str, list[float]] = {impl: [] for impl in active}
     failed: dict[str, str] = {}
     for impl in order:
@@ -363,26 +452,39 @@ def _run_workload(
         res.loss_first, res.loss_last = losses[0], losses[-1]
 
     medians = {impl: statistics.median(r.step_ms) for impl, r in results.items() if r.error is None}
-    ratio = (
-        medians["shardweave"] / medians["torch"]
-        if "shardweave" in medians and "torch" in medians
-        else None
-    )
+    ratios = {
+        f"median_ratio_shardweave_over_{base}": (
+            medians["shardweave"] / medians[base]
+            if "shardweave" in medians and base in medians
+            else None
+        )
+        for base in workload.baselines
+    }
     finals = {impl: r.loss_last for impl, r in results.items() if r.loss_last is not None}
     # Same init, same batches, same number of steps: a drop-in engine should land on (nearly)
     # the same loss; a large gap here means the timings compare different computations.
-    loss_diff = (
-        abs(finals["shardweave"] - finals["torch"])
-        if "shardweave" in finals and "torch" in finals
-        else None
-    )
+    names = list(workload.impls)
+    loss_diffs = {
+        f"{a} - {b}": abs(finals[a] - finals[b])
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if a in finals and b in finals
+    }
     reference = workload.build()
+    units = workload.shard_units(reference)
     return {
         "description": workload.description,
         "num_params": sum(p.numel() for p in reference.parameters()),
-        "theoretical_min": theoretical_min(reference, workload.shard_units(reference), world),
-        "median_ratio_shardweave_over_torch": ratio,
-        "loss_last_abs_diff": loss_diff,
+        "timed_steps": steps,
+        "theoretical_min": (
+            theoretical_min_replicate(reference, units)
+            if workload.mode == "replicate"
+            else theoretical_min(reference, units, world)
+        ),
+        **ratios,
+        # The largest gap between any two implementations (for two, just their gap).
+        "loss_last_abs_diff": max(loss_diffs.values()) if loss_diffs else None,
+        "loss_last_abs_diffs": loss_diffs,
         "results": {
             impl: {
                 "error": r.error,
@@ -406,7 +508,7 @@ def _run_workload(
 
 
 def _worker(
-    rank: int, world: int, store_path: str, impls: list[str], args: argparse.Namespace, out: str
+    rank: int, world: int, store_path: str, engines: list[str], args: argparse.Namespace, out: str
 ) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.FileStore(store_path, world)
@@ -415,19 +517,19 @@ def _worker(
     )
     try:
         selected = [w for w in WORKLOADS if w.name in args.workloads]
-        report = {w.name: _run_workload(w, impls, args, rank, world) for w in selected}
+        report = {w.name: _run_workload(w, engines, args, rank, world) for w in selected}
         if rank == 0:
             Path(out).write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(impls: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def _spawn(engines: list[str], args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="shardweave-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(
             _worker,
-            args=(args.world_size, os.path.join(tmp, "store"), impls, args, out),
+            args=(args.world_size, os.path.join(tmp, "store"), engines, args, out),
             nprocs=args.world_size,
             join=True,
         )
@@ -450,27 +552,33 @@ def _fmt_bytes(n: float) -> str:
 def format_report(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [
-        f"fully_shard benchmark: world_size {meta['world_size']}, gloo on CPU, torch "
+        f"fully_shard/replicate benchmark: world_size {meta['world_size']}, gloo on CPU, torch "
         f"{meta['torch_version']}, {meta['timed_steps']} timed steps per impl (A/B/B/A), "
         f"{meta['warmup_steps']} warm-up",
     ]
     for impl, info in report["impls"].items():
         status = "ok" if info["error"] is None else f"UNAVAILABLE ({info['error']})"
-        lines.append(f"  {impl:<11} {status}")
+        lines.append(f"  {impl:<20} {status}")
     for name, w in report["workloads"].items():
-        lines += ["", f"[{name}] {w['description']}; {w['num_params']:,} parameters"]
+        steps = w.get("timed_steps", meta["timed_steps"])
+        steps_note = f"; {steps} timed steps per impl" if steps != meta["timed_steps"] else ""
+        lines += [
+            "",
+            f"[{name}] {w['description']}; {w['num_params']:,} parameters{steps_note}",
+        ]
+        width = max([11, *(len(impl) for impl in w["results"])])
         lines.append(
-            f"  {'impl':<11} {'min ms':>8} {'median':>8} {'max ms':>8}   "
+            f"  {'impl':<{width}} {'min ms':>8} {'median':>8} {'max ms':>8}   "
             f"{'all-gather':>19} {'reduce-scatter':>19} {'all-reduce':>14}  "
             f"{'loss first->last':>17}"
         )
         for impl, r in w["results"].items():
             if r["error"] is not None:
-                lines.append(f"  {impl:<11} FAILED: {r['error']}")
+                lines.append(f"  {impl:<{width}} FAILED: {r['error']}")
                 continue
             t, c, b = r["step_ms"], r["comm_counts"], r["comm_bytes"]
             lines.append(
-                f"  {impl:<11} {t['min']:>8.2f} {t['median']:>8.2f} {t['max']:>8.2f}   "
+                f"  {impl:<{width}} {t['min']:>8.2f} {t['median']:>8.2f} {t['max']:>8.2f}   "
                 f"{c['all_gather']:>4} x {_fmt_bytes(b['all_gather']):>10}    "
                 f"{c['reduce_scatter']:>4} x {_fmt_bytes(b['reduce_scatter']):>10}    "
                 f"{c['all_reduce']:>3} x {_fmt_bytes(b['all_reduce']):>7}  "
@@ -478,30 +586,42 @@ def format_report(report: dict[str, Any]) -> str:
                 + (f"   (+{c['other']} other collectives)" if c["other"] else "")
             )
         tm = w["theoretical_min"]
+        if tm["all_reduce_bytes"]:  # replicate: one all-reduce of every gradient byte
+            note = f"({tm['groups_with_own_params']} groups with parameters)"
+        else:
+            note = (
+                f"({tm['groups_with_own_params']} groups with parameters; with dim-0 padding: "
+                f"AG {_fmt_bytes(tm['all_gather_bytes_padded'])}, "
+                f"RS {_fmt_bytes(tm['reduce_scatter_bytes_padded'])})"
+            )
         lines.append(
-            f"  {'minimum':<11} {'':>8} {'':>8} {'':>8}   "
+            f"  {'minimum':<{width}} {'':>8} {'':>8} {'':>8}   "
             f"{'':>4}   {_fmt_bytes(tm['all_gather_bytes']):>10}    "
             f"{'':>4}   {_fmt_bytes(tm['reduce_scatter_bytes']):>10}    "
-            f"{'':>3}   {_fmt_bytes(0):>7}  ({tm['groups_with_own_params']} groups with "
-            f"parameters; with dim-0 padding: AG {_fmt_bytes(tm['all_gather_bytes_padded'])}, "
-            f"RS {_fmt_bytes(tm['reduce_scatter_bytes_padded'])})"
+            f"{'':>3}   {_fmt_bytes(tm['all_reduce_bytes']):>7}  {note}"
         )
         for impl, r in w["results"].items():
             if r["error"] is None:
                 b = r["comm_bytes"]
+                parts = [
+                    f"{label} {_ratio(b[kind], tm[f'{kind}_bytes'])}"
+                    for kind, label in (
+                        ("all_gather", "all-gather"),
+                        ("reduce_scatter", "reduce-scatter"),
+                        ("all_reduce", "all-reduce"),
+                    )
+                    if tm[f"{kind}_bytes"]
+                ]
+                lines.append(f"  {impl} bytes / minimum: " + ", ".join(parts))
+        for pair, diff in w.get("loss_last_abs_diffs", {}).items():
+            lines.append(f"  last loss |{pair}|: {diff:.3g}")
+        for key, ratio in w.items():
+            if key.startswith("median_ratio_shardweave_over_"):
+                base = key.removeprefix("median_ratio_shardweave_over_")
                 lines.append(
-                    f"  {impl} bytes / minimum: all-gather "
-                    f"{_ratio(b['all_gather'], tm['all_gather_bytes'])}, reduce-scatter "
-                    f"{_ratio(b['reduce_scatter'], tm['reduce_scatter_bytes'])}"
+                    f"  median step time shardweave / {base}: "
+                    + (f"{ratio:.3f}" if ratio is not None else "n/a (needs both implementations)")
                 )
-        diff = w["loss_last_abs_diff"]
-        if diff is not None:
-            lines.append(f"  last loss |shardweave - torch|: {diff:.3g}")
-        ratio = w["median_ratio_shardweave_over_torch"]
-        lines.append(
-            "  median step time shardweave / torch: "
-            + (f"{ratio:.3f}" if ratio is not None else "n/a (needs both implementations)")
-        )
     return "\n".join(lines)
 
 
@@ -512,7 +632,14 @@ def _ratio(actual: int, minimum: int) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=30, help="timed steps per implementation")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per implementation (default: "
+        + ", ".join(f"{w.name} {w.default_steps}" for w in WORKLOADS)
+        + ")",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation")
     p.add_argument(
         "--json",
@@ -523,7 +650,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--impls",
         default=",".join(IMPLS),
-        help="comma-separated subset of: shardweave,torch (default both)",
+        help="comma-separated subset of: " + ",".join(IMPLS) + " (default all; shardweave is "
+        "fully_shard in the FSDP workloads and replicate in the replicate one)",
     )
     p.add_argument(
         "--workloads",
@@ -537,20 +665,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--impls: unknown {sorted(unknown)}; choose from {list(IMPLS)}")
     if unknown := set(args.workloads) - {w.name for w in WORKLOADS}:
         p.error(f"--workloads: unknown {sorted(unknown)}")
-    if args.steps < 1 or args.warmup < 1 or args.world_size < 1:
+    if (args.steps is not None and args.steps < 1) or args.warmup < 1 or args.world_size < 1:
         p.error("--steps, --warmup and --world-size must be at least 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Engines the selected workloads and implementations need, in first-use order.
+    engines = list(
+        dict.fromkeys(
+            engine
+            for w in WORKLOADS
+            if w.name in args.workloads
+            for impl, engine in w.impls.items()
+            if impl in args.impls
+        )
+    )
     impl_info: dict[str, dict[str, Any]] = {
-        impl: {"error": import_error(impl)} for impl in args.impls
+        engine: {"error": import_error(engine)} for engine in engines
     }
-    runnable = [impl for impl in args.impls if impl_info[impl]["error"] is None]
-    for impl, info in impl_info.items():
+    runnable = [engine for engine in engines if impl_info[engine]["error"] is None]
+    for engine, info in impl_info.items():
         if info["error"] is not None:
-            print(f"benchmark: {impl} unavailable: {info['error']}", file=sys.stderr)
+            print(f"benchmark: {engine} unavailable: {info['error']}", file=sys.stderr)
     if not runnable:
         print("benchmark: no implementation to run", file=sys.stderr)
         return 1
@@ -559,23 +697,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         workloads = _spawn(runnable, args)
     except Exception as e:
-        if runnable == ["torch"] or "torch" not in runnable:
+        fallback = [engine for engine in runnable if engine in TORCH_ENGINES]
+        if not fallback or fallback == runnable:
             raise
-        # A crash or hang in one implementation must not cost the other's numbers.
+        # A crash or hang in one implementation must not cost the others' numbers.
         print(
             f"benchmark: run with {runnable} failed ({type(e).__name__}: {e}); "
-            "rerunning with torch only",
+            f"rerunning with {fallback} only",
             file=sys.stderr,
         )
-        for impl in runnable:
-            if impl != "torch":
-                impl_info[impl]["error"] = f"crashed the benchmark: {type(e).__name__}: {e}"
-        workloads = _spawn(["torch"], args)
+        for engine in runnable:
+            if engine not in fallback:
+                impl_info[engine]["error"] = f"crashed the benchmark: {type(e).__name__}: {e}"
+        workloads = _spawn(fallback, args)
 
     report = {
         "meta": {
             "world_size": args.world_size,
-            "timed_steps": args.steps,
+            # Per workload under workloads.<name>.timed_steps; this is --steps, or the default
+            # of the FSDP workloads.
+            "timed_steps": args.steps if args.steps is not None else Workload.default_steps,
             "warmup_steps": args.warmup,
             "backend": "gloo",
             "device": "cpu",
@@ -584,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_count": os.cpu_count(),
             "wall_s": round(time.perf_counter() - t0, 2),
             "step_time": "slowest rank, barrier before each step; order A/B/B/A",
-            "bytes": "all-gather: gathered output; reduce-scatter: unreduced input",
+            "bytes": "all-gather: gathered output; reduce-scatter: unreduced input; "
+            "all-reduce: tensor size",
         },
         "impls": impl_info,
         "workloads": workloads,
