@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "demos"))
 from model import GPT, GPTConfig
+from train_gpt import load_fully_shard
 
 # Implementation names as reports and ``--impls`` spell them; a workload maps each of its
 # implementations to an engine (``shardweave`` means ``fully_shard`` in the FSDP workloads and
@@ -76,14 +77,8 @@ FullyShard = Callable[..., Any]
 
 def load_engine(engine: str) -> FullyShard:
     """The per-module wrapper an engine applies (``ddp`` returns the DDP class itself)."""
-    if engine == "shardweave":
-        from shardweave.fsdp import fully_shard as sw_fully_shard
-
-        return sw_fully_shard
-    if engine == "torch":
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-        return torch_fully_shard
+    if engine in ("shardweave", "torch"):
+        return load_fully_shard(engine)  # the demo's loader: the two are drop-in replacements
     if engine == "shardweave.replicate":
         from shardweave.replicate import replicate as sw_replicate
 

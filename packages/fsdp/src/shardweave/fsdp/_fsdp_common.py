@@ -13,7 +13,6 @@ Design note: tensor vocabulary
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterator
 from enum import Enum, auto
 from typing import Any
@@ -33,7 +32,6 @@ __all__ = [
     "collect_grad_tensors",
     "dim_chunked_size",
     "in_backward",
-    "padded_dim0_size",
     "replace_grad_tensors",
 ]
 
@@ -66,10 +64,6 @@ class ShardPlacementResult:
 def in_backward() -> bool:
     """Whether autograd is currently running a backward graph task."""
     return bool(torch._C._current_graph_task_id() != -1)
-
-
-def padded_dim0_size(size: torch.Size, world_size: int) -> torch.Size:
-    return torch.Size([math.ceil(size[0] / world_size) * world_size, *size[1:]])
 
 
 def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:

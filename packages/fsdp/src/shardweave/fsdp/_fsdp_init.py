@@ -22,6 +22,7 @@ __all__ = [
     "post_forward_mesh_info",
     "resolve_shard_placements",
     "validate_module",
+    "validate_reshard_after_forward",
 ]
 
 logger = logging.getLogger("shardweave.fsdp")
@@ -39,15 +40,19 @@ def validate_module(module: nn.Module, api: str) -> None:
         )
 
 
-def post_forward_mesh_info(
-    reshard_after_forward: bool | int, mesh_info: FSDPMeshInfo
-) -> FSDPMeshInfo | None:
-    """The mesh parameters live on between forward and backward (None: stay unsharded)."""
+def validate_reshard_after_forward(reshard_after_forward: object) -> None:
     if not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(
             "reshard_after_forward should be a bool or an int representing the group size to "
             f"reshard to, not {reshard_after_forward!r}"
         )
+
+
+def post_forward_mesh_info(
+    reshard_after_forward: bool | int, mesh_info: FSDPMeshInfo
+) -> FSDPMeshInfo | None:
+    """The mesh parameters live on between forward and backward (None: stay unsharded)."""
+    validate_reshard_after_forward(reshard_after_forward)
     size = mesh_info.shard_mesh_size
     if not isinstance(reshard_after_forward, bool):
         k = reshard_after_forward

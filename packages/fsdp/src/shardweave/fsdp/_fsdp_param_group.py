@@ -373,10 +373,6 @@ class FSDPParamGroup:
     def is_unsharded(self) -> bool:
         return self._sharded_state == ShardedState.UNSHARDED
 
-    @property
-    def is_sharded(self) -> bool:
-        return self._sharded_state == ShardedState.SHARDED
-
     # --- hooks --------------------------------------------------------------------------------
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -534,9 +530,6 @@ class FSDPParamGroup:
         if isinstance(info, (HSDPMeshInfo, DDPMeshInfo)):
             return info.replicate_process_group
         return None
-
-    def with_fqn(self, label: str) -> str:
-        return f"{label} ({self._module_fqn})" if self._module_fqn else label
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup(fqn={self._module_fqn}, params={len(self.fsdp_params)})"

@@ -26,6 +26,7 @@ from shardweave.fsdp._fsdp_init import (
     post_forward_mesh_info,
     resolve_shard_placements,
     validate_module,
+    validate_reshard_after_forward,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
@@ -147,11 +148,9 @@ def fully_shard(
                 "each distinct composable distributed API can only be applied to a module once"
             )
     check_policy_types(mp_policy, offload_policy)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
-        raise ValueError(
-            "reshard_after_forward should be a bool or an int representing the group size to "
-            f"reshard to, not {reshard_after_forward!r}"
-        )
+    if reshard_after_forward is not None:
+        # before the default mesh is built, which may initialize the process group
+        validate_reshard_after_forward(reshard_after_forward)
     mesh = mesh if mesh is not None else default_mesh()
     if dp_mesh_dims is not None and not isinstance(reshard_after_forward, (bool, type(None))):
         raise NotImplementedError(
