@@ -523,7 +523,7 @@ class _SampleParamHandler:
     def sharded_spec(self, param: object, mesh_info: object, shard_dim: int) -> object:
         return None
 
-    def template(self, param: torch.Tensor) -> object:
+    def template(self, param: torch.Tensor, mesh_info: object) -> object:
         return None
 
     def unsharded(self, template: object, local_unsharded: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,20 @@ Design note: strided sharding
     on the data-parallel dim records exactly that, so ``full_tensor()``, ``state_dict()`` and
     ``torch.distributed.checkpoint`` reassemble the right values (torch's FSDP2 uses the same
     placement).
+
+Design note: full SPMD meshes
+    With ``dp_mesh_dims`` the parameter is already a DTensor on the whole mesh, replicated on
+    its data-parallel dims. FSDP shards the local tensor over the data-parallel shard group
+    and swaps each data-parallel shard dim's ``Replicate()`` for ``Shard(d)`` (strided by the
+    number of later mesh dims that shard ``d`` too); several shard dims are flattened into
+    the one data-parallel submesh. Gradients keep their ``Partial`` on the data-parallel dims:
+    FSDP's reduce-scatter (and the HSDP all-reduce) is that reduction, so redistributing
+    first would reduce twice.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +44,9 @@ class _TPTemplate:
     """The TP layout of a parameter: enough to rebuild it, and none of its storage."""
 
     spec: DTensorSpec
+    # Mesh dims of ``spec.mesh`` that are data parallel (full SPMD meshes only): a gradient's
+    # placement there is left for FSDP's own reduction.
+    dp_dims: frozenset[int] = frozenset()
 
 
 class DTensorParamHandler:
@@ -44,13 +57,19 @@ class DTensorParamHandler:
     def local_tensor(self, param: torch.Tensor) -> torch.Tensor:
         return _as_dtensor(param)._local_tensor
 
-    def template(self, param: torch.Tensor) -> object:
-        return _TPTemplate(_as_dtensor(param)._spec)
+    def template(self, param: torch.Tensor, mesh_info: DataParallelMeshInfo) -> object:
+        spec = _as_dtensor(param)._spec
+        if not mesh_info.is_spmd_mesh:
+            return _TPTemplate(spec)
+        shard, replicate = _spmd_dp_dims(spec, mesh_info)
+        return _TPTemplate(spec, frozenset((*shard, *replicate)))
 
     def sharded_spec(
         self, param: torch.Tensor, mesh_info: DataParallelMeshInfo, shard_dim: int
     ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         spec = _as_dtensor(param)._spec
+        if mesh_info.is_spmd_mesh:
+            return _spmd_sharded_spec(spec, mesh_info, shard_dim)
         dp_mesh, tp_mesh = mesh_info.mesh, spec.mesh
         if dp_mesh.device_type != tp_mesh.device_type:
             raise ValueError(
@@ -89,16 +108,92 @@ class DTensorParamHandler:
         return DTensor(local_unsharded, new_spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
     def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
-        spec = _template(template).spec
+        tp = _template(template)
         dgrad = _as_dtensor(grad)
-        if dgrad.placements != spec.placements:
+        # See Design note: full SPMD meshes (data-parallel dims keep the grad's placement).
+        target = tuple(
+            dgrad.placements[i] if i in tp.dp_dims else p for i, p in enumerate(tp.spec.placements)
+        )
+        if dgrad.placements != target:
             # e.g. a naturally replicated grad of a TP-sharded parameter
-            dgrad = dgrad.redistribute(spec.mesh, spec.placements)
+            dgrad = dgrad.redistribute(tp.spec.mesh, target)
         local = dgrad.to_local()
         wait = getattr(local, "wait", None)  # AsyncCollectiveTensor from a redistribute
         if callable(wait):
             local = wait()
         return local
+
+
+def _spmd_dp_dims(
+    spec: DTensorSpec, mesh_info: DataParallelMeshInfo
+) -> tuple[list[int], list[int]]:
+    """Indices of the data-parallel shard and replicate dims of ``spec.mesh``, validated."""
+    mesh, dims = spec.mesh, mesh_info.dp_mesh_dims
+    assert dims is not None and mesh_info.spmd_mesh is not None
+    # Equality, not identity: DTensor caches may hand back an equal mesh object (same ranks,
+    # layout and dim names), which is the same mesh for every purpose here.
+    if mesh != mesh_info.spmd_mesh:
+        raise ValueError(
+            "fully_shard: with dp_mesh_dims every parameter must be a DTensor on the mesh "
+            f"passed to fully_shard, but one lives on {mesh}; distribute it on that same "
+            "DeviceMesh (not another mesh or a submesh)"
+        )
+    names = mesh.mesh_dim_names
+    assert names is not None  # resolve_mesh_info checked the mesh has names
+    indices: list[list[int]] = []
+    for role, group in (("shard", dims.shard_names), ("replicate", dims.replicate_names)):
+        found = [names.index(n) for n in group]
+        for i in found:
+            if not isinstance(spec.placements[i], Replicate):
+                raise ValueError(
+                    f"fully_shard: Expected Replicate() on DP {role} dim '{names[i]}' (index "
+                    f"{i}) but got {spec.placements[i]}; FSDP shards the data-parallel dims "
+                    "itself, so distribute the parameter with Replicate() there"
+                )
+        indices.append(found)
+    return indices[0], indices[1]
+
+
+def _spmd_sharded_spec(
+    spec: DTensorSpec, mesh_info: DataParallelMeshInfo, shard_dim: int
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The FSDP-sharded layout of a parameter on a full SPMD mesh."""
+    shard, _ = _spmd_dp_dims(spec, mesh_info)
+    mesh = spec.mesh
+    orig = spec.placements
+    placements = list(orig)
+    for i in shard:
+        # Later mesh dims sharding the same tensor dim interleave with FSDP's chunks.
+        later = [
+            mesh.size(j)
+            for j in range(i + 1, mesh.ndim)
+            if isinstance(p := orig[j], (Shard, _StridedShard)) and p.dim == shard_dim
+        ]
+        split = math.prod(later)
+        placements[i] = (
+            _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+        )
+    if len(shard) <= 1:
+        return mesh, tuple(placements)
+    # Several shard dims act as one: the flattened data-parallel submesh takes their place.
+    names = mesh.mesh_dim_names
+    assert names is not None
+    dims = mesh_info.dp_mesh_dims
+    assert dims is not None
+    hsdp = isinstance(mesh_info, HSDPMeshInfo)
+    submeshes: list[DeviceMesh] = []
+    out: list[Placement] = []
+    first = min(shard)
+    for i, name in enumerate(names):
+        if i == first:
+            submeshes.append(mesh_info.mesh)
+            out.extend((Replicate(), placements[i]) if hsdp else (placements[i],))
+        elif i in shard or (hsdp and name in dims.replicate_names):
+            continue  # folded into the data-parallel submesh
+        else:
+            submeshes.append(mesh[name])
+            out.append(placements[i])
+    return DeviceMesh._concatenate(submeshes), tuple(out)
 
 
 def _as_dtensor(tensor: torch.Tensor) -> DTensor:

@@ -160,10 +160,16 @@ class FSDPParam:
         self._handler: ParamHandler | None = None
         self._template: object = None
         data: torch.Tensor = param
+        if self.mesh_info.is_spmd_mesh and not isinstance(param, DTensor):
+            raise ValueError(
+                f"fully_shard: when dp_mesh_dims is provided, all parameters must be DTensors on "
+                f"the SPMD mesh, but '{self.param_fqn}' is a plain {type(param).__name__}; "
+                "distribute it first, e.g. distribute_tensor(param, mesh, [Replicate()] * mesh.ndim)"
+            )
         if isinstance(param, DTensor):
             handler = PARAM_HANDLING.get_for_type(type(param), what=f"parameter '{self.param_fqn}'")
             data = handler.local_tensor(param)
-            self._handler, self._template = handler, handler.template(param)
+            self._handler, self._template = handler, handler.template(param, self.mesh_info)
         if param.ndim == 0:
             raise ValueError(
                 f"fully_shard does not support 0-dim parameters: '{self.param_fqn}' has shape (). "

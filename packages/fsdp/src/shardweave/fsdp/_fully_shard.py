@@ -32,6 +32,7 @@ from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
 from shardweave.mesh import (
     DataParallelMeshDims,
+    DataParallelMeshInfo,
     FSDPMeshInfo,
     default_mesh,
     mesh_device,
@@ -158,22 +159,29 @@ def fully_shard(
             "pass True or False"
         )
     mesh_info = resolve_mesh_info(mesh, dp_mesh_dims, api=api)
-    if not isinstance(mesh_info, FSDPMeshInfo):
+    if not isinstance(mesh_info, FSDPMeshInfo) and shard_placement_fn is not None:
         raise ValueError(
-            f"{api} needs a shard dim; dp_mesh_dims={dp_mesh_dims} names only replicate dims "
-            "(use shardweave.replicate.replicate for pure data parallelism)"
+            f"{api}: shard_placement_fn needs a shard dim, but dp_mesh_dims={dp_mesh_dims} "
+            "names only replicate dims; add a shard dim or drop shard_placement_fn"
         )
     device = mesh_device(mesh)
     auto_reshard = reshard_after_forward is None
-    post_info = post_forward_mesh_info(
-        True if reshard_after_forward is None else reshard_after_forward, mesh_info
+    # Replicate-only dp_mesh_dims: nothing is sharded, so nothing reshards after forward.
+    post_info = (
+        post_forward_mesh_info(
+            True if reshard_after_forward is None else reshard_after_forward, mesh_info
+        )
+        if isinstance(mesh_info, FSDPMeshInfo)
+        else None
     )
     ignored = set(ignored_params or ())
     roots = root_modules(modules)
     managed = managed_modules(roots, ignored)
     params, buffers = managed_params_and_buffers(managed, ignored)
     move_states_to_device(params, buffers, device)
-    placements = resolve_shard_placements(params, shard_placement_fn, mesh_info)
+    placements: list[tuple[Any, DataParallelMeshInfo]] = [(None, mesh_info)] * len(params)
+    if isinstance(mesh_info, FSDPMeshInfo):
+        placements = list(resolve_shard_placements(params, shard_placement_fn, mesh_info))
     state = FSDPState(roots, device, mp_policy, mesh_info, auto_reshard)
     try:
         state._fsdp_param_groups = _build_groups(
@@ -222,9 +230,9 @@ def root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
 
 def _build_groups(
     params: list[nn.Parameter],
-    placements: list[tuple[Any, FSDPMeshInfo]],
+    placements: list[tuple[Any, DataParallelMeshInfo]],
     roots: tuple[nn.Module, ...],
-    mesh_info: FSDPMeshInfo,
+    mesh_info: DataParallelMeshInfo,
     post_info: FSDPMeshInfo | None,
     reshard_after_forward: bool | int | None,
     device: torch.device,
@@ -234,10 +242,11 @@ def _build_groups(
     """One group per distinct mesh (``shard_placement_fn`` may move parameters to another)."""
     if not params:
         return []
-    by_key: dict[tuple[Any, Any], tuple[FSDPMeshInfo, list[int]]] = {}
+    by_key: dict[tuple[Any, Any], tuple[DataParallelMeshInfo, list[int]]] = {}
     for i, (_, info) in enumerate(placements):
+        shard = getattr(info, "shard_process_group", None)
         replicate = getattr(info, "replicate_process_group", None)
-        key = (info.shard_process_group, replicate)
+        key = (shard, replicate)
         entry = by_key.setdefault(key, (info, []))
         if entry[0] is not info:
             raise ValueError(
@@ -249,7 +258,7 @@ def _build_groups(
     for info, indices in by_key.values():
         group_post = (
             post_info
-            if info is mesh_info
+            if info is mesh_info or not isinstance(info, FSDPMeshInfo)
             else post_forward_mesh_info(
                 True if reshard_after_forward is None else reshard_after_forward, info
             )

@@ -82,9 +82,10 @@ class ParamHandler(Protocol):
         """
         ...
 
-    def template(self, param: torch.Tensor) -> object:
+    def template(self, param: torch.Tensor, mesh_info: DataParallelMeshInfo) -> object:
         """What ``unsharded`` and ``reduce_grad`` need to know of ``param`` (e.g. its DTensor
-        spec), kept for the parameter's lifetime; it must not hold ``param``'s storage."""
+        spec, and which of its mesh dims are data parallel when ``mesh_info.is_spmd_mesh``),
+        kept for the parameter's lifetime; it must not hold ``param``'s storage."""
         ...
 
     def unsharded(self, template: object, local_unsharded: torch.Tensor) -> torch.Tensor:
