@@ -10,11 +10,33 @@ and, as an example of torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
 the engine supports on any tensor that defines it), :func:`all_gather_in_dtype`: all-gather
 parameters in a lower precision and restore the compute dtype.
 
-Still to come: TP-aware state-dict helpers and ``dp_mesh_dims`` SPMD meshes.
+State-dict helpers for tensor-parallel tensors under data parallelism (the jobs of torch's
+``torch.distributed.tensor.parallel.fsdp``): :func:`chunk_dtensor` / :func:`all_gather_dtensor`
+between TP-only DTensors and (dp, tp) DTensors, :func:`chunk_tensor` /
+:func:`pre_load_state_dict_transform` for ``ShardedTensor`` state dicts, and
+:class:`DTensorStateDictTransform`, a ``StateDictTransform`` you may register yourself.
+
+Still to come: ``dp_mesh_dims`` SPMD meshes.
 """
 
 from shardweave.extensions._version import __version__
 from shardweave.extensions.all_gather import all_gather_in_dtype
+from shardweave.extensions.state_dict import (
+    DTensorStateDictTransform,
+    all_gather_dtensor,
+    chunk_dtensor,
+    chunk_tensor,
+    pre_load_state_dict_transform,
+)
 from shardweave.extensions.tensor_parallel import DTensorParamHandler
 
-__all__ = ["DTensorParamHandler", "__version__", "all_gather_in_dtype"]
+__all__ = [
+    "DTensorParamHandler",
+    "DTensorStateDictTransform",
+    "__version__",
+    "all_gather_dtensor",
+    "all_gather_in_dtype",
+    "chunk_dtensor",
+    "chunk_tensor",
+    "pre_load_state_dict_transform",
+]
