@@ -70,8 +70,10 @@ def train_parity(rank: int, world: int, cfg: dict[str, Any]) -> None:
         tag = f"{cfg} step {step}"
         assert_same_as_torch(model, tmodel, tag)
         # Accumulated microbatches sum in another order than the one-backward reference, on
-        # summed (not averaged) losses of magnitude ~10: allow fp32 rounding of that size.
-        tol = {"rtol": 2e-5, "atol": 1e-4} if micro > 1 else {}
+        # summed (not averaged) losses of magnitude ~10: allow fp32 rounding of that size, over
+        # the momentum steps too (seen: 8e-5 relative on one element by step 2; ours is bitwise
+        # equal to torch's FSDP2 above, so the gap is the reference's order, not the engine).
+        tol = {"rtol": 2e-4, "atol": 2e-4} if micro > 1 else {}
         assert_matches_reference(model, ref, "grad", rank, world, tag, **tol)
         for o in (opt, ropt, topt):
             o.step()
