@@ -112,7 +112,8 @@ def tests(session: nox.Session) -> None:
     extra = [f"./{TEST_PLUGIN}"] if (ROOT / TEST_PLUGIN).is_dir() else []
     # numpy: torch warns at import without it and its object collectives need it. The isolated
     # sessions leave it out, so package code that needs it undeclared fails there.
-    _install_all_packages(session, *extra, *TEST_DEPS, "numpy")
+    # safetensors and matplotlib: the fsdp package's optional extras (interop and plot tests).
+    _install_all_packages(session, *extra, *TEST_DEPS, "numpy", "safetensors>=0.4", "matplotlib")
     # With arguments, pytest gets only those (testpaths = ["tests"] still applies to `-k ...`).
     session.run("pytest", *(session.posargs or ["tests"]))
 

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, trace
 from shardweave.replicate import ReplicateModule, replicate
 from tests._dist import WorkerPool, assert_close
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model
@@ -81,16 +81,37 @@ def test_replicate_parity(world2: WorkerPool, micro: int) -> None:
 
 
 def collectives_per_step(rank: int, world: int) -> None:
+    from shardweave.fsdp._grad_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
     from tests.fsdp.world_2.test_features import count_collectives
 
     model = make_model("gpt")
     _per_block(model, replicate)
     batch = make_batch("gpt", rank)
     loss_fn("gpt", model(batch), batch).backward()
-    with count_collectives() as counts:
+    with count_collectives() as counts, trace() as tracer:
         loss_fn("gpt", model(batch), batch).backward()
+    # The tracer sees the buckets too: same count, and every gradient byte once.
+    traced = [c for c in tracer.collectives if c.kind == "all_reduce"]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(traced) == counts["all_reduce"], (traced, dict(counts))
+    assert sum(c.nbytes for c in traced) == grad_bytes, (traced, grad_bytes)
+    assert all(c.complete_ns is not None for c in traced), traced
+    # Gradients travel in DDP-sized buckets (see shardweave.fsdp._grad_buckets): groups are
+    # packed in backward order into a bucket until it holds FIRST_BUCKET_BYTES (then
+    # BUCKET_BYTES); whatever is left goes at the end of backward.
+    sizes = [
+        sum(p.numel() * 4 for p in group.parameters() if p.requires_grad)
+        for group in [model, *model.layers]  # type: ignore[misc]
+    ]
+    sizes[0] -= sum(sizes[1:])  # the root's own parameters only
+    expected, open_bytes, cap = 0, 0, FIRST_BUCKET_BYTES
+    for size in reversed(sizes[1:]):  # blocks in backward order; the root comes last
+        open_bytes += size
+        if open_bytes >= cap:
+            expected, open_bytes, cap = expected + 1, 0, BUCKET_BYTES
+    expected += (open_bytes + sizes[0]) > 0
     groups = len(model.layers) + 1  # type: ignore[arg-type]
-    assert counts["all_reduce"] == groups, dict(counts)
+    assert counts["all_reduce"] == expected < groups, (dict(counts), expected, sizes)
     assert counts["all_gather_single"] == 0 and counts["reduce_scatter_single"] == 0, dict(counts)
     # parameters stay unsharded after forward (no reshard, no second all-gather)
     model(batch)

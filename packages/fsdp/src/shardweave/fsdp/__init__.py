@@ -6,6 +6,7 @@ Switching from torch is one import::
 """
 
 from shardweave.fsdp._consistency import FSDPConsistencyError
+from shardweave.fsdp._fault import CollectiveMismatchError, PeerFailureError, failure_guard
 from shardweave.fsdp._fsdp_api import (
     AllGather,
     Comm,
@@ -15,6 +16,11 @@ from shardweave.fsdp._fsdp_api import (
     ReduceScatter,
 )
 from shardweave.fsdp._fsdp_common import ShardPlacementResult
+from shardweave.fsdp._full_state_dict import (
+    IncompatibleKeys,
+    get_full_state_dict,
+    set_full_state_dict,
+)
 from shardweave.fsdp._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -22,23 +28,46 @@ from shardweave.fsdp._fully_shard import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from shardweave.fsdp._safetensors import load_safetensors, save_safetensors
+from shardweave.fsdp._trace import (
+    CollectiveRecord,
+    FSDPTracer,
+    MemoryRecord,
+    SpanRecord,
+    StepRecord,
+    trace,
+)
 from shardweave.fsdp._version import __version__
 from shardweave.mesh import DataParallelMeshDims
 
 __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
+    "CollectiveMismatchError",
+    "CollectiveRecord",
     "Comm",
     "DataParallelMeshDims",
     "FSDPConsistencyError",
     "FSDPModule",
+    "FSDPTracer",
+    "IncompatibleKeys",
+    "MemoryRecord",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "PeerFailureError",
     "ReduceScatter",
     "ShardPlacementResult",
+    "SpanRecord",
+    "StepRecord",
     "UnshardHandle",
     "__version__",
+    "failure_guard",
     "fully_shard",
+    "get_full_state_dict",
+    "load_safetensors",
     "register_fsdp_forward_method",
+    "save_safetensors",
+    "set_full_state_dict",
     "share_comm_ctx",
+    "trace",
 ]

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["FSDPConsistencyError", "check_ranks_agree", "describe_groups"]
 
 _DIGEST_BYTES = 32
+_NONCE_BYTES = 8
 SKIP_ENV = "SHARDWEAVE_SKIP_CONSISTENCY_CHECK"
 
 
@@ -67,23 +68,37 @@ def _process_groups(mesh_info: DataParallelMeshInfo) -> list[dist.ProcessGroup]:
 
 def check_ranks_agree(
     lines: list[str], mesh_info: DataParallelMeshInfo, device: torch.device, api: str
-) -> None:
-    """Raise ``FSDPConsistencyError`` on every rank of the mesh if any rank's ``lines`` differ."""
+) -> int | None:
+    """Raise ``FSDPConsistencyError`` on every rank of the mesh if any rank's ``lines`` differ.
+
+    Returns a nonce every rank of the mesh agrees on (the first rank's random draw, carried by
+    the same all-gather), which names this root's failure scope (``_fault``); None when the
+    check is skipped or there is no peer.
+    """
     if os.environ.get(SKIP_ENV) == "1":
-        return
+        return None
     digest = hashlib.sha256("\n".join(lines).encode()).digest()
-    local = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    nonce = int.from_bytes(os.urandom(_NONCE_BYTES), "little")
+    agreed: int | None = None
+    width = _DIGEST_BYTES + _NONCE_BYTES
     for pg in _process_groups(mesh_info):
+        # Each group adopts its first rank's nonce; across the shard then the replicate group
+        # that spreads one nonce over the whole mesh.
+        payload = bytearray(digest + nonce.to_bytes(_NONCE_BYTES, "little"))
+        local = torch.frombuffer(payload, dtype=torch.uint8).to(device)
         world = pg.size()
-        gathered = torch.empty(world * _DIGEST_BYTES, dtype=torch.uint8, device=device)
+        gathered = torch.empty(world * width, dtype=torch.uint8, device=device)
         dist.all_gather_single(gathered, local, group=pg)
-        rows = gathered.view(world, _DIGEST_BYTES)
-        if bool((rows == rows[0]).all()):
+        rows = gathered.view(world, width)
+        nonce = agreed = int.from_bytes(bytes(rows[0, _DIGEST_BYTES:].cpu().tolist()), "little")
+        digests = rows[:, :_DIGEST_BYTES]
+        if bool((digests == digests[0]).all()):
             continue
         # Someone differs: every rank sees the same digests, so all take this path together.
         everyone = _all_gather_lines(lines, pg, device)
         ranks = dist.get_process_group_ranks(pg)
         raise FSDPConsistencyError(_first_difference(everyone, ranks, api))
+    return agreed
 
 
 def _all_gather_lines(

@@ -52,10 +52,16 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, got {value!r} "
                     f"({type(value).__name__}); e.g. {name}=torch.bfloat16"
                 )
+            # Integer or bool compute/reduction would truncate parameters and gradients.
+            if value is not None and not (value.is_floating_point or value.is_complex):
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{name} must be a floating-point dtype, got {value}; "
+                    f"use e.g. {name}=torch.bfloat16, or None to keep the parameters' dtype"
+                )
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(
                 "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
-                f"got {self.cast_forward_inputs!r}"
+                f"got {self.cast_forward_inputs!r}; pass True or False"
             )
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
+from shardweave.fsdp import _fault, _trace
 from shardweave.fsdp._fsdp_api import AllGather, ReduceScatter
 
 if TYPE_CHECKING:
@@ -233,6 +234,7 @@ def foreach_reduce(
     partial_reduce_output: torch.Tensor | None,
     all_reduce_hook: Callable[[torch.Tensor], None] | None,
     force_sum: bool,
+    group_name: str = "",
 ) -> torch.Tensor | None:
     """Reduce-scatter (then all-reduce for HSDP) one group's gradients into its sharded grads.
 
@@ -262,13 +264,28 @@ def foreach_reduce(
     torch._chunk_cat(laid_out, dim=0, num_chunks=world, out=rs_input.view(world, -1))
     grads.clear()  # the unsharded grads can be freed now
     del laid_out
+    if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
+        _trace.ACTIVE.grads_reduced()
     _div_(rs_input, pre)
     if world > 1:
         assert reduce_scatter_group is not None
         output = reduce_scatter_comm.allocate((out_numel,), dtype=rdtype, device=device)
-        reduce_scatter_comm(
-            output_tensor=output, input_tensor=rs_input, group=reduce_scatter_group, op=rs_op
+        if _fault.checks_enabled():
+            _fault.check_collective(
+                reduce_scatter_group, "reduce_scatter", group_name, rs_input.numel(), rdtype
+            )
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.reduce_issue("reduce_scatter", rs_input, reduce_scatter_group)
+        work = reduce_scatter_comm(
+            output_tensor=output,
+            input_tensor=rs_input,
+            group=reduce_scatter_group,
+            op=rs_op,
+            async_op=True,
         )
+        _fault.wait(work, lambda: f"the reduce-scatter of group '{group_name}'")
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.reduce_done()
     else:
         output = rs_input
         if divide_factor is not None and pre is None and post is None:
@@ -283,7 +300,16 @@ def foreach_reduce(
             return output
         if partial_reduce_output is not None:
             output += partial_reduce_output
-        dist.all_reduce(output, op=ar_op, group=all_reduce_group)
+        if _fault.checks_enabled():
+            _fault.check_collective(
+                all_reduce_group, "all_reduce", group_name, output.numel(), output.dtype
+            )
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.reduce_issue("all_reduce", output, all_reduce_group)
+        work = dist.all_reduce(output, op=ar_op, group=all_reduce_group, async_op=True)
+        _fault.wait(work, lambda: f"the all-reduce of group '{group_name}'")
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.reduce_done()
     if all_reduce_hook is not None:
         all_reduce_hook(output)
     _div_(output, post)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,15 +14,19 @@ from torch.distributed.tensor import DTensor, Shard
 from shardweave.fsdp._fsdp_common import ShardPlacementResult
 from shardweave.fsdp._fsdp_state import get_fsdp_state
 from shardweave.mesh import FSDPMeshInfo, HSDPMeshInfo
+from shardweave.mesh._dims import ArgumentTypeError
 
 __all__ = [
     "managed_modules",
     "managed_params_and_buffers",
+    "module_arguments",
     "move_states_to_device",
     "post_forward_mesh_info",
     "resolve_shard_placements",
+    "validate_ignored_params",
     "validate_module",
     "validate_reshard_after_forward",
+    "validate_shard_placement_fn",
 ]
 
 logger = logging.getLogger("shardweave.fsdp")
@@ -40,11 +44,77 @@ def validate_module(module: nn.Module, api: str) -> None:
         )
 
 
+def module_arguments(module: object, api: str) -> tuple[nn.Module, ...]:
+    """The modules of ``api``'s ``module`` argument (one module, or a list or tuple of them)."""
+    if isinstance(module, nn.Module):
+        validate_module(module, api)
+        return (module,)
+    if isinstance(module, (str, bytes, torch.Tensor)) or not isinstance(module, Iterable):
+        raise ArgumentTypeError(
+            f"{api}: module must be an nn.Module or a list of nn.Modules, got "
+            f"{type(module).__name__} {module!r:.80}; pass the model or one of its blocks, "
+            f"e.g. {api}(model.layers[0])"
+        )
+    modules = tuple(module)
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise ArgumentTypeError(
+                f"{api}: module[{i}] is a {type(m).__name__} ({m!r:.80}), not an nn.Module; "
+                "pass a list of nn.Modules that form one group"
+            )
+    return modules
+
+
+def validate_ignored_params(ignored_params: object, api: str) -> set[nn.Parameter]:
+    """``ignored_params`` as a set, after checking it holds parameters (``None``: empty)."""
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, torch.Tensor):
+        # A lone tensor is iterable (over its rows), which would silently mean something else.
+        raise TypeError(
+            f"{api}: ignored_params must be a set of parameters, got a single "
+            f"{type(ignored_params).__name__} of shape {tuple(ignored_params.shape)}; wrap it "
+            "in a set, e.g. ignored_params={module.weight}"
+        )
+    if isinstance(ignored_params, nn.Module):
+        raise TypeError(
+            f"{api}: ignored_params must be a set of parameters, got the module "
+            f"{type(ignored_params).__name__}; pass set(module.parameters())"
+        )
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
+        raise TypeError(
+            f"{api}: ignored_params must be a set of parameters, got "
+            f"{type(ignored_params).__name__}; pass e.g. set(module.parameters())"
+        )
+    for item in ignored_params:
+        if isinstance(item, nn.Module):
+            raise TypeError(
+                f"{api}: ignored_params holds the module {type(item).__name__}, not its "
+                "parameters; pass set(module.parameters()) to ignore all of them"
+            )
+        if not isinstance(item, nn.Parameter):
+            raise TypeError(
+                f"{api}: ignored_params must hold nn.Parameters, got a {type(item).__name__}; "
+                "pass the module's parameters, e.g. set(module.parameters())"
+            )
+    return set(ignored_params)
+
+
+def validate_shard_placement_fn(shard_placement_fn: object, api: str) -> None:
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"{api}: shard_placement_fn must be a callable taking a parameter, got "
+            f"{shard_placement_fn!r} ({type(shard_placement_fn).__name__}); pass a function, "
+            "e.g. shard_placement_fn=lambda param: Shard(1)"
+        )
+
+
 def validate_reshard_after_forward(reshard_after_forward: object) -> None:
     if not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(
             "reshard_after_forward should be a bool or an int representing the group size to "
-            f"reshard to, not {reshard_after_forward!r}"
+            f"reshard to, not {reshard_after_forward!r}; pass True, False, None (the default) "
+            "or an int that divides the shard world size"
         )
 
 
@@ -57,9 +127,11 @@ def post_forward_mesh_info(
     if not isinstance(reshard_after_forward, bool):
         k = reshard_after_forward
         if k < 1 or k > size or size % k != 0:
+            factors = tuple(d for d in range(1, size + 1) if size % d == 0)
             raise ValueError(
                 "If passing reshard_after_forward as an int, it should be a factor of "
-                f"{size}, not {k}"
+                f"{size}, not {k}; pass one of {factors} (the group size to reshard to), or "
+                "True/False"
             )
         if k == 1:
             logger.warning(
@@ -166,6 +238,8 @@ def resolve_shard_placements(
         else:
             raise ValueError(
                 "shard_placement_fn must return None, a Shard or a ShardPlacementResult, "
-                f"got {result!r} for a parameter of shape {tuple(param.shape)}"
+                f"got {result!r} for a parameter of shape {tuple(param.shape)}; return "
+                "Shard(dim) to shard another dim or None for Shard(0) (to keep a parameter "
+                "whole on every rank, list it in ignored_params or use replicate())"
             )
     return resolved

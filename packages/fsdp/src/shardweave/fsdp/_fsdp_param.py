@@ -147,6 +147,7 @@ class FSDPParam:
         self._ext_outputs, self._ext_inner = None, ()
         self._ext_mp_policy: MixedPrecisionPolicy | None = None
         self._ext_legacy = False
+        self._aliases_shard = False  # see alias_sharded_storage
         if not hasattr(param, _UID_ATTR):
             setattr(param, _UID_ATTR, next(_uids))
         self.orig_param_uid: int = getattr(param, _UID_ATTR)
@@ -272,6 +273,7 @@ class FSDPParam:
         shards with no copy-in."""
         flat_slice.copy_(self._sharded_param_data)
         self._sharded_param_data = flat_slice
+        self._drop_alias()
         _set_local_tensor(self.sharded_param, self._local_view(flat_slice))
 
     def reset_sharded_param(self) -> bool:
@@ -311,6 +313,7 @@ class FSDPParam:
             if self.pin_memory and not padded.is_pinned():
                 padded = padded.pin_memory()
         self._sharded_param_data = padded.view(-1)
+        self._drop_alias()
         _set_local_tensor(self.sharded_param, self._local_view(self._sharded_param_data))
         self.orig_dtype = self.sharded_param.dtype
         return True
@@ -437,8 +440,28 @@ class FSDPParam:
             data = data.to(self.param_dtype)
         return data
 
+    def _drop_alias(self) -> None:
+        if self._aliases_shard:
+            self._aliases_shard = False
+            del self.all_gather_output
+            self._unsharded_param = None
+
+    def alias_sharded_storage(self) -> None:
+        """With one rank per shard the shard *is* the full parameter: let the unsharded
+        parameter view the sharded storage instead of a gathered copy (no all-gather, no
+        copy, nothing to free at reshard). Idempotent; redone after the storage moves."""
+        data = self._sharded_param_data
+        current = getattr(self, "all_gather_output", None)
+        if self._aliases_shard and current is data:
+            return
+        self.all_gather_output = data
+        self._aliases_shard = True
+        self._unsharded_param = None  # rebuilt over the (new) storage at init_unsharded_param
+
     def alloc_all_gather_output(self) -> torch.Tensor:
         """The 1D output buffer (padded full parameter), storage allocated."""
+        if self._aliases_shard:
+            return self.all_gather_output
         if not hasattr(self, "all_gather_output"):
             world = self.shard_world_size
             self.all_gather_output = torch.empty(
@@ -461,8 +484,9 @@ class FSDPParam:
             return
         if self._unsharded_param is not None:
             return
-        unsharded = self.all_gather_output.as_strided(
-            self.orig_size, _contiguous_strides(self.orig_size), 0
+        out = self.all_gather_output  # a slice of the shards' flat buffer when aliasing
+        unsharded = out.as_strided(
+            self.orig_size, _contiguous_strides(self.orig_size), out.storage_offset()
         )
         if self._handler is not None:
             unsharded = self._handler.unsharded(self._template, unsharded)
@@ -491,7 +515,7 @@ class FSDPParam:
     def to_sharded(self) -> None:
         self._setattr_on_modules(self.sharded_param)
         self._free_post_forward_data()
-        if hasattr(self, "all_gather_output"):
+        if hasattr(self, "all_gather_output") and not self._aliases_shard:
             _free_storage(self.all_gather_output)
         for t in (*(self._ext_outputs or ()), *self._ext_inner):
             _free_storage(t)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from shardweave.fsdp import _fault, _trace
 from shardweave.fsdp._fsdp_collectives import (
     AllGatherResult,
     DefaultAllGather,
@@ -39,6 +40,7 @@ from shardweave.fsdp._fsdp_common import (
     replace_grad_tensors,
 )
 from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
+from shardweave.fsdp._grad_buckets import GradBuckets
 from shardweave.mesh import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ class FSDPCommContext:
         # of a group is the one whose forward finished just before it.
         self.post_forward_order: list[FSDPParamGroup] = []
         self.reduce_scatter_max_input_buffers = 1
+        self.grad_buckets = GradBuckets()
 
 
 class FSDPParamGroup:
@@ -306,18 +309,35 @@ class FSDPParamGroup:
             self.post_forward_mesh_info if post_forward else self.mesh_info
         )
         assert info is not None
+        if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
+            _trace.ACTIVE.unshard_begin(self)
+        if self._aliases_shards():
+            # See FSDPParam.alias_sharded_storage: one rank per shard, nothing to gather.
+            for p in self.fsdp_params:
+                p.alias_sharded_storage()
+            assert self._flat_sharded is not None
+            self._all_gather_result = AllGatherResult(self._flat_sharded, None, 1, [], False, False)
+            return
         flat = self._flat_sharded if self._param_dtypes_uniform else None
         inp, sizes, as_bytes = all_gather_copy_in(
             self.fsdp_params, flat, self._uniform_param_dtype, self.device, post_forward
         )
         world = info.shard_mesh_size if isinstance(info, FSDPMeshInfo) else 1
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.copy_in_end(self, inp, world)
         work: dist.Work | None = None
         if world == 1 or not isinstance(info, FSDPMeshInfo):
             output = inp
         else:
+            if _fault.checks_enabled():
+                _fault.check_collective(
+                    info.shard_process_group, "all_gather", self._fqn, inp.numel(), inp.dtype
+                )
             output = self._all_gather_comm.allocate(
                 (world * inp.numel(),), dtype=inp.dtype, device=self.device
             )
+            if _trace.ACTIVE is not None:
+                _trace.ACTIVE.all_gather_issue(self, output, info.shard_process_group)
             # Always asynchronous: the wait happens at wait_for_unshard, so a prefetched
             # all-gather overlaps compute even on gloo (which runs collectives on its own thread).
             work = self._all_gather_comm(
@@ -335,18 +355,24 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is None:
             return
-        if result.work is not None:
-            result.work.wait()
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.wait_begin(self)
+        _fault.wait(result.work, lambda: f"the all-gather of group '{self._fqn}'")
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.all_gather_done(self)
         self._all_gather_result = None
-        outs = tuple(t for p in self.fsdp_params for t in p.alloc_all_gather_outputs())
-        # See Design note: storage resize (FSDPParam). Refilling must not bump the version
-        # counter, or autograd would reject the parameters it saved in forward.
-        with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):
-            all_gather_copy_out(result, self.fsdp_params)
+        if result.split_sizes:  # empty when the unsharded params alias the shards
+            outs = tuple(t for p in self.fsdp_params for t in p.alloc_all_gather_outputs())
+            # See Design note: storage resize (FSDPParam). Refilling must not bump the version
+            # counter, or autograd would reject the parameters it saved in forward.
+            with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):
+                all_gather_copy_out(result, self.fsdp_params)
         for p in self.fsdp_params:
             p.init_unsharded_param()
             p.to_unsharded()
         self._sharded_state = ShardedState.UNSHARDED
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.unshard_end(self)
 
     def reshard(self) -> None:
         if self._training_state == TrainingState.FORWARD:
@@ -362,12 +388,16 @@ class FSDPParamGroup:
             for p in self.fsdp_params:
                 p.to_sharded()
             self._sharded_state = ShardedState.SHARDED
+            if _trace.ACTIVE is not None:
+                _trace.ACTIVE.reshard(self)
 
     def _to_sharded_post_forward(self) -> None:
         if self._sharded_state == ShardedState.UNSHARDED:
             for p in self.fsdp_params:
                 p.to_sharded_post_forward()
             self._sharded_state = ShardedState.SHARDED_POST_FORWARD
+            if _trace.ACTIVE is not None:
+                _trace.ACTIVE.reshard(self)
 
     @property
     def is_unsharded(self) -> bool:
@@ -406,6 +436,8 @@ class FSDPParamGroup:
 
     def post_backward(self) -> None:
         """Reshard and reduce this group's gradients (idempotent for unused groups)."""
+        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
+            return _trace.ACTIVE.time_hook("post_backward", self, self.post_backward)
         self._training_state = TrainingState.POST_BACKWARD
         for p in self.fsdp_params:
             p.accumulate_unsharded_grad_if_needed()
@@ -427,6 +459,21 @@ class FSDPParamGroup:
         if not with_grad:
             return
         assert self._orig_dtype is not None
+        if self._can_bucket():
+            group = self._all_reduce_group
+            assert group is not None
+            self.comm_ctx.grad_buckets.add(
+                self,
+                with_grad,
+                grads,
+                group,
+                self._reduce_dtype or grads[0].dtype,
+                self._orig_dtype,
+                self.device,
+            )
+            return
+        if _trace.ACTIVE is not None:
+            _trace.ACTIVE.grads_taken(self, grads)
         self._partial_reduce_output = foreach_reduce(
             with_grad,
             grads,
@@ -441,6 +488,36 @@ class FSDPParamGroup:
             self._partial_reduce_output,
             self._all_reduce_hook,
             self.force_sum_reduction_for_comms,
+            self._fqn,
+        )
+
+    def _aliases_shards(self) -> bool:
+        """Whether unsharding can view the shards in place: one rank per shard, one flat
+        buffer on the compute device, no cast, no extension, no smaller post-forward mesh."""
+        info = self.mesh_info
+        one_rank = not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size == 1
+        return (
+            one_rank
+            and self._flat_sharded is not None
+            and self._flat_sharded.device == self.device
+            and self._param_dtypes_uniform
+            and self._uniform_param_dtype is None
+            and (self.post_forward_mesh_info is None or self.post_forward_mesh_info is info)
+        )
+
+    def _can_bucket(self) -> bool:
+        """Replicate-only groups with default reduction share gradient buckets (see
+        ``_grad_buckets``); anything customized keeps its own all-reduce."""
+        return (
+            isinstance(self.mesh_info, DDPMeshInfo)
+            and not isinstance(self.mesh_info, FSDPMeshInfo)
+            and self.mesh_info.replicate_mesh_size > 1
+            and self.all_reduce_grads
+            and self._partial_reduce_output is None
+            and self.gradient_divide_factor is None
+            and not self.force_sum_reduction_for_comms
+            and self._all_reduce_hook is None
+            and self.device.type == "cpu"
         )
 
     def finalize_backward(self) -> None:
@@ -450,6 +527,8 @@ class FSDPParamGroup:
             if result.work is not None:
                 result.work.wait()
             self._all_gather_result = None
+            if _trace.ACTIVE is not None:
+                _trace.ACTIVE.discard_unshard(self)
         self._post_forward_indices.clear()
 
     def reset_iter_state(self) -> None:
@@ -458,6 +537,8 @@ class FSDPParamGroup:
         if result is not None and result.work is not None:
             with contextlib.suppress(Exception):
                 result.work.wait()
+        if result is not None and _trace.ACTIVE is not None:
+            _trace.ACTIVE.discard_unshard(self)
         self._all_gather_result = None
         self._partial_reduce_output = None
         self._post_forward_indices.clear()
@@ -530,6 +611,10 @@ class FSDPParamGroup:
         if isinstance(info, (HSDPMeshInfo, DDPMeshInfo)):
             return info.replicate_process_group
         return None
+
+    @property
+    def _fqn(self) -> str:
+        return self._module_fqn or "<root>"
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup(fqn={self._module_fqn}, params={len(self.fsdp_params)})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
+from shardweave.fsdp import _fault, _trace
 from shardweave.fsdp._consistency import check_ranks_agree, describe_groups
 from shardweave.fsdp._fsdp_common import (
     TrainingState,
@@ -68,6 +70,7 @@ class FSDPState:
         self._auto_reshard_after_forward = auto_reshard_after_forward
         self._fsdp_param_groups: list[FSDPParamGroup] = []
         self._is_root: bool | None = None
+        self._exc_at_forward: BaseException | None = None
         self._state_ctx = FSDPStateContext()
         self._comm_ctx = FSDPCommContext()
         self._training_state = TrainingState.IDLE
@@ -173,12 +176,28 @@ class FSDPState:
             for group in state._fsdp_param_groups:
                 group.lazy_init()
         groups = [g for s in ctx.all_states for g in s._fsdp_param_groups]
-        check_ranks_agree(
+        nonce = check_ranks_agree(
             describe_groups(groups, repr(self._mp_policy), self.api_name),
             self._mesh_info,
             self._device,
             self.api_name,
         )
+        _fault.new_epoch(nonce)
+        self._register_failure_hooks(root)
+
+    def _register_failure_hooks(self, root: nn.Module) -> None:
+        """Publish an exception escaping the root's forward (see ``_fault``) so peers waiting
+        in a collective raise instead of hanging."""
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            exc = sys.exc_info()[1]
+            # An exception the caller was already handling when forward began is not ours.
+            if exc is not None and exc is not self._exc_at_forward:
+                _fault.publish_failure(exc, f"forward of {type(module).__name__}")
+            self._exc_at_forward = None
+
+        # A forward hook, not a pre-hook: this runs inside the pre-hooks' iteration.
+        self._hook_handles.append(root.register_forward_hook(leave, always_call=True))
 
     @classmethod
     def state_class_for_root(cls) -> type[FSDPState]:
@@ -241,6 +260,10 @@ class FSDPState:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:  # see _trace
+            return _trace.ACTIVE.time_hook(
+                "pre_forward", self, self._pre_forward, module, args, kwargs
+            )
         if self._training_state == TrainingState.PRE_BACKWARD:
             # Activation-checkpoint recompute inside backward: just make the params available.
             for group in self._fsdp_param_groups:
@@ -262,14 +285,20 @@ class FSDPState:
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
+        self._exc_at_forward = sys.exc_info()[1]
         self._lazy_init()
         if self._state_ctx.iter_forward_root is not None:
             return
         self._state_ctx.iter_forward_root = self
+        _fault.new_step()
         # On CPU everything runs on one stream, so the post-optimizer event needs no wait.
         self._state_ctx.post_optim_event = None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
+            return _trace.ACTIVE.time_hook(
+                "post_forward", self, self._post_forward, module, args, output
+            )
         if self._training_state == TrainingState.PRE_BACKWARD:
             return self._cast_output(output)
         for group in self._fsdp_param_groups:
@@ -324,6 +353,8 @@ class FSDPState:
             tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
+            return _trace.ACTIVE.time_hook("pre_backward", self, self._pre_backward, grad)
         self._training_state = TrainingState.PRE_BACKWARD
         self._queue_final_callback()
         default_prefetch = not self._states_to_backward_prefetch
@@ -353,7 +384,9 @@ class FSDPState:
                         group.post_backward()
                     group._training_state = TrainingState.IDLE
                 state._training_state = TrainingState.IDLE
-                if ctx.is_last_backward:
+            self._comm_ctx.grad_buckets.finish(self._device)
+            if ctx.is_last_backward:
+                for state in ctx.all_states:
                     for group in state._fsdp_param_groups:
                         group.finalize_backward()
             if ctx.is_last_backward:
@@ -375,5 +408,6 @@ class FSDPState:
             state._training_state = TrainingState.IDLE
             for group in state._fsdp_param_groups:
                 group.reset_iter_state()
+        self._comm_ctx.grad_buckets.clear()
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
@@ -12,8 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardweave.fsdp import _fault
 from shardweave.fsdp._fsdp_api import (
     AllGather,
+    CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     ReduceScatter,
@@ -22,11 +26,13 @@ from shardweave.fsdp._fsdp_collectives import DefaultAllGather
 from shardweave.fsdp._fsdp_init import (
     managed_modules,
     managed_params_and_buffers,
+    module_arguments,
     move_states_to_device,
     post_forward_mesh_info,
     resolve_shard_placements,
-    validate_module,
+    validate_ignored_params,
     validate_reshard_after_forward,
+    validate_shard_placement_fn,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
@@ -134,21 +140,18 @@ def fully_shard(
         difference instead of hanging in a mismatched collective.
     """
     api = "fully_shard"
-    if isinstance(module, nn.Module):
-        validate_module(module, api)
-        modules: tuple[nn.Module, ...] = (module,)
-    else:
-        modules = tuple(module)
+    modules = module_arguments(module, api)
     for m in modules:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"{api} expects nn.Module or a list of them, got {type(m).__name__}")
         existing = get_fsdp_state(m)
         if existing is not None:
             raise AssertionError(
                 f"{api} was already applied to {type(m).__name__} (by {existing.api_name}); "
-                "each distinct composable distributed API can only be applied to a module once"
+                "each distinct composable distributed API can only be applied to a module once: "
+                "remove the second call (change settings with the FSDPModule setters instead)"
             )
-    check_policy_types(mp_policy, offload_policy)
+    check_policy_types(mp_policy, offload_policy, api)
+    validate_shard_placement_fn(shard_placement_fn, api)
+    validate_ignored_params(ignored_params, api)
     if reshard_after_forward is not None:
         # before the default mesh is built, which may initialize the process group
         validate_reshard_after_forward(reshard_after_forward)
@@ -208,13 +211,37 @@ def fully_shard(
     return module
 
 
-def check_policy_types(mp_policy: object, offload_policy: object) -> None:
+def check_policy_types(mp_policy: object, offload_policy: object, api: str = "fully_shard") -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
+        if isinstance(mp_policy, type) and issubclass(mp_policy, MixedPrecisionPolicy):
+            fix = "instantiate it: mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+        elif isinstance(mp_policy, torch.dtype):
+            fix = f"pass mp_policy=MixedPrecisionPolicy(param_dtype={mp_policy})"
+        else:
+            fix = "pass mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)"
         raise TypeError(
-            "offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got "
-            f"{type(offload_policy).__name__}"
+            f"{api}: mp_policy must be a MixedPrecisionPolicy instance, got "
+            f"{type(mp_policy).__name__} {mp_policy!r:.80}; {fix}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        if isinstance(offload_policy, type) and issubclass(offload_policy, OffloadPolicy):
+            fix = f"instantiate it: offload_policy={offload_policy.__name__}()"
+        else:
+            fix = "pass offload_policy=CPUOffloadPolicy() to offload, or omit it"
+        raise TypeError(
+            f"{api}: offload_policy must be an OffloadPolicy instance, got "
+            f"{type(offload_policy).__name__} {offload_policy!r:.80}; {fix}"
+        )
+    if (
+        isinstance(offload_policy, CPUOffloadPolicy)
+        and offload_policy.pin_memory
+        and not torch.accelerator.is_available()
+    ):
+        # Pinning allocates page-locked memory through the accelerator's runtime.
+        raise RuntimeError(
+            f"{api}: offload_policy=CPUOffloadPolicy() pins memory (pin_memory=True by "
+            "default), which needs an accelerator, and none is available; pass "
+            "offload_policy=CPUOffloadPolicy(pin_memory=False)"
         )
 
 
@@ -349,7 +376,15 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones."""
-        for group in self._get_fsdp_state()._fsdp_param_groups:
+        groups = self._get_fsdp_state()._fsdp_param_groups
+        if any(group._all_gather_result is not None for group in groups):
+            # The pending all-gather would register unsharded parameters after this reshard
+            # (when it is waited on), undoing it behind the caller's back.
+            raise RuntimeError(
+                f"reshard() on {type(self).__name__} while its unshard(async_op=True) is still "
+                "in flight; call wait() on the UnshardHandle first, then reshard()"
+            )
+        for group in groups:
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -358,6 +393,7 @@ class FSDPModule:
         Returns an ``UnshardHandle`` to ``wait()`` on when ``async_op``; otherwise waits. If
         never waited on, the module's next forward waits.
         """
+        _check_flag(async_op, "unshard", "async_op")
         groups = self._get_fsdp_state()._fsdp_param_groups
         for group in groups:
             group.lazy_init()
@@ -374,18 +410,21 @@ class FSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False`` for all but the last microbatch's backward (keeps per-iteration state)."""
+        _check_flag(is_last_backward, "set_is_last_backward", "is_last_backward")
         self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """``False`` accumulates unsharded gradients locally with no communication (no_sync)."""
+        _check_flag(requires_gradient_sync, "set_requires_gradient_sync", "requires_gradient_sync")
         for group in self._groups(recurse):
             group.reduce_grads = requires_gradient_sync
             group.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters but skips the replicate all-reduce (accumulation)."""
+        _check_flag(requires_all_reduce, "set_requires_all_reduce", "requires_all_reduce")
         for group in self._groups(recurse):
             group.all_reduce_grads = requires_all_reduce
 
@@ -393,14 +432,21 @@ class FSDPModule:
         """Change whether parameters are freed after forward (overrides the root default)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
-                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+                f"set_reshard_after_forward: reshard_after_forward should be a bool, got "
+                f"{type(reshard_after_forward)}; pass True or False (an int group size can "
+                "only be given to fully_shard)"
             )
         for module in self._fsdp_modules(recurse):
             state = module._get_fsdp_state()
             state._auto_reshard_after_forward = False
             for group in state._fsdp_param_groups:
                 if not isinstance(group.mesh_info, FSDPMeshInfo):
-                    raise AssertionError("set_reshard_after_forward needs sharded parameters")
+                    raise AssertionError(
+                        "set_reshard_after_forward needs sharded parameters, but "
+                        f"{type(module).__name__} is replicated (replicate() or replicate-only "
+                        "dp_mesh_dims); its parameters stay whole, so there is nothing to "
+                        "reshard: use fully_shard for modules that should reshard"
+                    )
                 group.post_forward_mesh_info = post_forward_mesh_info(
                     reshard_after_forward, group.mesh_info
                 )
@@ -410,6 +456,7 @@ class FSDPModule:
     ) -> None:
         """``False`` keeps parameters unsharded after backward (saves an all-gather while
         accumulating gradients, at the cost of memory)."""
+        _check_flag(reshard_after_backward, "set_reshard_after_backward", "reshard_after_backward")
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
@@ -425,6 +472,7 @@ class FSDPModule:
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False`` skips the pre-backward all-gather (parameters not needed in backward)."""
+        _check_flag(unshard_in_backward, "set_unshard_in_backward", "unshard_in_backward")
         for group in self._groups():
             group.unshard_in_backward = unshard_in_backward
 
@@ -438,12 +486,14 @@ class FSDPModule:
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Use ``comm`` for this module's all-gather (allocation and collective)."""
+        _check_comm(comm, AllGather, "set_custom_all_gather")
         group = self._single_group("set_custom_all_gather")
         if group is not None:
             group._all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Use ``comm`` for this module's reduce-scatter (allocation and collective)."""
+        _check_comm(comm, ReduceScatter, "set_custom_reduce_scatter")
         group = self._single_group("set_custom_reduce_scatter")
         if group is not None:
             group._reduce_scatter_comm = comm
@@ -452,6 +502,12 @@ class FSDPModule:
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
     ) -> None:
         """Call ``hook(reduced_flat_grads)`` after the reduce-scatter (and HSDP all-reduce)."""
+        if not callable(hook):
+            raise TypeError(
+                f"set_all_reduce_hook: hook must be callable, got {hook!r} "
+                f"({type(hook).__name__}); pass a function taking the reduced gradient tensor, "
+                "e.g. set_all_reduce_hook(lambda grads: grads.div_(2))"
+            )
         group = self._single_group("set_all_reduce_hook")
         if group is None:
             return
@@ -464,17 +520,20 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
+        _check_divide_factor(factor, "set_gradient_divide_factor")
         for group in self._groups():
             group.gradient_divide_factor = factor
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Use only SUM collectives, dividing explicitly before/after."""
+        _check_flag(enable, "set_force_sum_reduction_for_comms", "enable")
         for group in self._groups():
             group.force_sum_reduction_for_comms = enable
 
     def set_reduce_scatter_unused_params(self, enable: bool, *, recurse: bool = True) -> None:
         """Reduce zero gradients for parameters that got none, so every rank issues the same
         reduce-scatter even when ranks use different parameters."""
+        _check_flag(enable, "set_reduce_scatter_unused_params", "enable")
         for group in self._groups(recurse):
             group.reduce_scatter_unused_params = enable
 
@@ -498,10 +557,16 @@ class FSDPModule:
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
-                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+                "set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, got "
+                f"{type(max_input_buffers).__name__} {max_input_buffers!r}; pass an int >= 1 "
+                "(1, the default, keeps one buffer in flight)"
             )
         if max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+            raise ValueError(
+                "set_reduce_scatter_max_input_buffers: max_input_buffers must be >= 1, got "
+                f"{max_input_buffers}; pass 1 (the default) or more to let reduce-scatters "
+                "overlap"
+            )
         for group in self._groups(recurse):
             group.reduce_scatter_max_input_buffers = max_input_buffers
 
@@ -513,6 +578,7 @@ class FSDPModule:
         Lets the reduce-scatter overlap the all-gather where a communicator runs one collective
         at a time (NCCL); ``False`` restores the shared shard group.
         """
+        _check_flag(enable, "set_separate_reduce_scatter_group", "enable")
         cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
             group.set_separate_reduce_scatter_group(enable, cache)
@@ -520,6 +586,7 @@ class FSDPModule:
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate collective staging buffers with the process group's allocator when it has
         one (NCCL zero-copy); otherwise (gloo) plain ``torch.empty``. Not with custom comms."""
+        _check_flag(enable, "set_allocate_memory_from_process_group_for_comm", "enable")
         for group in self._groups():
             group.set_allocate_memory_from_process_group(enable)
 
@@ -538,8 +605,25 @@ class FSDPModule:
         raise RuntimeError(
             f"set_symm_mem_for_comm(backend={backend!r}) needs CUDA with NCCL symmetric memory; "
             f"this module's mesh is on '{self._get_fsdp_state()._device.type}', and shardweave "
-            "does not implement symmetric-memory collectives yet"
+            "does not implement symmetric-memory collectives yet; remove the "
+            "set_symm_mem_for_comm call to keep the default collectives"
         )
+
+    def set_collective_checks(self, enable: bool, *, stall_timeout: float | None = None) -> None:
+        """Check every collective against the peers' before issuing it (shardweave only).
+
+        Each engine collective is preceded by a small all-gather of its signature (step,
+        sequence number, group, kind, size, dtype) so that a rank that skipped a module,
+        reached another step or computed another shape raises
+        :class:`CollectiveMismatchError` on every rank, naming the rank, the group and the
+        step, instead of hanging or aborting inside the backend. A rank that waits
+        ``stall_timeout`` seconds (default 5) for a peer that never arrives names it. Costs
+        one tiny collective per collective; process-wide (also ``SHARDWEAVE_CHECK_COLLECTIVES=1``).
+        Failures of peers that raise are reported whether or not checks are on.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_collective_checks(enable=...) expects a bool, got {enable!r}")
+        _fault.set_checks(enable, stall_timeout)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         for group in self._groups(recurse=True):
@@ -555,21 +639,80 @@ class FSDPModule:
         return ret
 
 
-def _check_fsdp_modules(modules: Iterable[object], api: str) -> None:
-    for m in modules:
+def _check_fsdp_modules(modules: object, api: str) -> None:
+    if not isinstance(modules, Iterable):
+        raise TypeError(
+            f"{api} expects a list of FSDPModules, got {type(modules).__name__}; wrap a single "
+            f"module in a list: {api}([module])"
+        )
+    for i, m in enumerate(modules):
         if not isinstance(m, FSDPModule):
             raise ValueError(
-                f"{api} expects FSDPModules (modules passed to fully_shard), got {type(m).__name__}"
+                f"{api} expects FSDPModules (modules passed to fully_shard), got "
+                f"{type(m).__name__} at index {i}; apply fully_shard to it first, or leave it "
+                "out of the list"
             )
 
 
+def _check_flag(value: object, api: str, arg: str) -> None:
+    # Torch stores any value here; a string such as "False" is truthy and silently means True.
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{api}: {arg} must be a bool, got {value!r} ({type(value).__name__}); "
+            "pass True or False"
+        )
+
+
+def _check_comm(comm: object, base: type, api: str) -> None:
+    # Duck typing is accepted (e.g. a subclass of torch's own comm ABC), but the engine calls
+    # both allocate() and __call__().
+    if isinstance(comm, base) or (callable(comm) and callable(getattr(comm, "allocate", None))):
+        return
+    raise TypeError(
+        f"{api} expects an instance of {base.__name__}, got {type(comm).__name__}; subclass "
+        f"shardweave.fsdp.{base.__name__} and implement allocate() and __call__()"
+    )
+
+
+def _check_divide_factor(factor: object, api: str) -> None:
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise TypeError(
+            f"{api}: factor must be a number (float), got {factor!r} "
+            f"({type(factor).__name__}); pass e.g. {api}(8.0)"
+        )
+    if not math.isfinite(float(factor)) or factor <= 0:
+        raise ValueError(
+            f"{api}: factor must be positive and finite (gradients are divided by it), got "
+            f"{factor}; pass a number > 0, e.g. the data-parallel world size"
+        )
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run FSDP's forward hooks around ``module.<method_name>`` (e.g. ``generate``)."""
+    """Run FSDP's forward hooks around ``module.<method_name>`` (e.g. ``generate``).
+
+    A module that is not an ``FSDPModule`` is left alone (as in torch), so this can be called
+    unconditionally.
+    """
     if not isinstance(module, FSDPModule):
         return
+    if not isinstance(method_name, str):
+        raise TypeError(
+            "register_fsdp_forward_method: method_name must be a str (the method's name), got "
+            f"{method_name!r} ({type(method_name).__name__}); e.g. "
+            "register_fsdp_forward_method(model, 'generate')"
+        )
     if not hasattr(module, method_name):
-        raise ValueError(f"{type(module).__name__} does not have a method {method_name}")
+        raise ValueError(
+            f"{type(module).__name__} does not have a method {method_name}; define it on the "
+            "module's class before registering it, or check the name for a typo"
+        )
     orig = getattr(module, method_name)
+    if not callable(orig):
+        raise TypeError(
+            f"register_fsdp_forward_method: {type(module).__name__}.{method_name} is a "
+            f"{type(orig).__name__}, not a method; pass the name of a method that runs the "
+            "module (e.g. 'generate')"
+        )
 
     @functools.wraps(orig)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -583,9 +726,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Make separate roots (pipeline stages on one rank) share one communication context."""
+    _check_fsdp_modules(modules, "share_comm_ctx")
+    modules = list(modules)
     if not modules:
         return
-    _check_fsdp_modules(modules, "share_comm_ctx")
     comm_ctx = modules[0]._get_fsdp_state()._comm_ctx
     for module in modules[1:]:
         state = module._get_fsdp_state()

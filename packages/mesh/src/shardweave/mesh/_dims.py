@@ -16,8 +16,10 @@ from shardweave.mesh._mesh_info import (
 )
 
 __all__ = [
+    "ArgumentTypeError",
     "DataParallelMeshDims",
     "MeshValidationError",
+    "check_mesh_argument",
     "default_mesh",
     "mesh_device",
     "resolve_mesh_info",
@@ -31,6 +33,21 @@ class MeshValidationError(ValueError, AssertionError):
     ``AssertionError``, because torch's FSDP2 raises ``AssertionError`` for some of these
     cases (a 2-D mesh without dim names) and code written against torch catches that.
     """
+
+
+class ArgumentTypeError(TypeError, AttributeError):
+    """An argument of the wrong type (a string where a module or mesh belongs, ...).
+
+    It is a ``TypeError`` (what the mistake is) and also an ``AttributeError``, because torch's
+    FSDP2 does not check these types and fails on the first missing attribute instead, so code
+    written against torch catches that.
+    """
+
+
+class _OverlappingDimsError(MeshValidationError, RuntimeError):
+    # One mesh dim named as both shard and replicate: torch fails (RuntimeError) when it
+    # concatenates the two overlapping submeshes; we say why before getting there.
+    pass
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,21 @@ class DataParallelMeshDims:
                 "DataParallelMeshDims: set at least one of shard= or replicate= "
                 "(e.g. DataParallelMeshDims(shard='dp'))"
             )
+        for role in ("shard", "replicate"):
+            value = getattr(self, role)
+            if value is None or isinstance(value, str):
+                continue
+            if not isinstance(value, (tuple, list)) or not all(isinstance(n, str) for n in value):
+                raise TypeError(
+                    f"DataParallelMeshDims: {role}= takes a mesh dim name (str) or a tuple of "
+                    f"names, got {value!r}; use the names from the mesh's mesh_dim_names, e.g. "
+                    f"DataParallelMeshDims({role}='dp')"
+                )
+            if not value:
+                raise ValueError(
+                    f"DataParallelMeshDims: {role}=() names no dim; give at least one mesh dim "
+                    f"name, or leave {role}=None"
+                )
 
     @property
     def shard_names(self) -> tuple[str, ...]:
@@ -99,6 +131,35 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, int(current()))
 
 
+def check_mesh_argument(mesh: object, api: str) -> None:
+    """Raise ``ArgumentTypeError`` unless ``mesh`` is a ``DeviceMesh``."""
+    if isinstance(mesh, DeviceMesh):
+        return
+    hint = (
+        " (a process group converts with DeviceMesh.from_group(group, device_type))"
+        if isinstance(mesh, dist.ProcessGroup)
+        else ""
+    )
+    raise ArgumentTypeError(
+        f"{api}: mesh must be a DeviceMesh, got {type(mesh).__name__} {mesh!r}; create one with "
+        f"init_device_mesh(device_type, (world_size,)){hint}, or pass mesh=None for all ranks"
+    )
+
+
+def _check_dims_argument(dims: object, api: str) -> None:
+    if dims is None or isinstance(dims, DataParallelMeshDims):
+        return
+    example = (
+        f"DataParallelMeshDims(shard={dims!r})"
+        if isinstance(dims, str)
+        else "DataParallelMeshDims(shard=..., replicate=...)"
+    )
+    raise ArgumentTypeError(
+        f"{api}: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__} "
+        f"{dims!r}; pass dp_mesh_dims={example}"
+    )
+
+
 def resolve_mesh_info(
     mesh: DeviceMesh,
     dp_mesh_dims: DataParallelMeshDims | None = None,
@@ -116,7 +177,11 @@ def resolve_mesh_info(
     Raises:
         MeshValidationError: the mesh has the wrong number of dims, lacks dim names where they
             are needed, or ``dp_mesh_dims`` names an unknown dim or one dim in both roles.
+        ArgumentTypeError: ``mesh`` is not a ``DeviceMesh`` or ``dp_mesh_dims`` is not a
+            ``DataParallelMeshDims``.
     """
+    check_mesh_argument(mesh, api)
+    _check_dims_argument(dp_mesh_dims, api)
     if dp_mesh_dims is None:
         if mesh.ndim == 1:
             return FSDPMeshInfo(mesh, shard_mesh_dim=0)
@@ -153,9 +218,10 @@ def _resolve_named_dims(
             )
     both = sorted(set(shard) & set(replicate))
     if both:
-        raise MeshValidationError(
+        raise _OverlappingDimsError(
             f"{api}: mesh dim '{both[0]}' is named as both a shard and a replicate dim in "
-            "dp_mesh_dims; each data-parallel dim plays one role"
+            "dp_mesh_dims; each data-parallel dim plays one role: name it in shard= or in "
+            "replicate=, not both"
         )
     for role, group in (("shard", shard), ("replicate", replicate)):
         if len(set(group)) != len(group):

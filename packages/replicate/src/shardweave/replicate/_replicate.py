@@ -17,7 +17,9 @@ from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from shardweave.fsdp._fsdp_init import (
     managed_modules,
     managed_params_and_buffers,
+    module_arguments,
     move_states_to_device,
+    validate_ignored_params,
     validate_module,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
@@ -32,6 +34,7 @@ from shardweave.mesh import (
     mesh_device,
     resolve_mesh_info,
 )
+from shardweave.mesh._dims import check_mesh_argument
 
 __all__ = ["ReplicateModule", "replicate"]
 
@@ -108,21 +111,26 @@ def replicate(
         replicate(model)
     """
     api = "replicate"
-    modules: tuple[nn.Module, ...] = (module,) if isinstance(module, nn.Module) else tuple(module)
+    modules = module_arguments(module, api)
     for m in modules:
         state = get_fsdp_state(m)
         if state is not None and not isinstance(state, ReplicateState):
             raise RuntimeError(
-                "Cannot apply `replicate()` on a Module already managed by `fully_shard`"
+                "Cannot apply `replicate()` on a Module already managed by `fully_shard` "
+                f"({type(m).__name__}); a module takes one of the two: drop one of the calls, "
+                "or apply replicate() to a submodule before fully_shard() on the parent"
             )
         if state is not None:
             raise AssertionError(
-                "replicate was already applied to this module; each distinct composable "
-                "distributed API can only be applied to a module once"
+                f"replicate was already applied to {type(m).__name__}; each distinct "
+                "composable distributed API can only be applied to a module once: remove the "
+                "second call"
             )
         validate_module(m, api)
-    check_policy_types(mp_policy, offload_policy)
+    check_policy_types(mp_policy, offload_policy, api)
+    validate_ignored_params(ignored_params, api)
     mesh = mesh if mesh is not None else default_mesh(mesh_dim_names=("replicate",))
+    check_mesh_argument(mesh, api)
     if dp_mesh_dims is not None:
         mesh_info = resolve_mesh_info(mesh, dp_mesh_dims, api=api)
         if isinstance(mesh_info, FSDPMeshInfo) or not isinstance(mesh_info, DDPMeshInfo):

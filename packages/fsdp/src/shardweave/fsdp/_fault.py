@@ -1,0 +1,319 @@
+"""Never hang: a failed rank tells its peers, and collectives that would not match are refused.
+
+Design note: the failure channel
+    Collectives cannot carry "I failed": a rank that raised mid-step simply never joins the
+    next one, and its peers wait out the process-group timeout (or, on a size mismatch, gloo
+    aborts the process). So a rank that raises publishes the error in the c10d store, which
+    every rank already shares, and a rank waiting on a collective wakes every
+    ``POLL_INTERVAL`` seconds to look there. A collective that finishes in time costs nothing
+    extra: the first timed wait simply returns. The key is scoped to the current root lazy
+    init (``epoch``), so a failure in one job does not leak into a model built later.
+
+Design note: collective checks (opt-in)
+    With checks on (``FSDPModule.set_collective_checks`` or ``SHARDWEAVE_CHECK_COLLECTIVES=1``)
+    every engine collective is preceded by an all-gather of its signature (step, sequence
+    number, group, kind, element count, dtype) over the same process group, so a rank that
+    skipped a module, reached another step or computed another shape is named on every rank
+    before any mismatched collective can abort or silently mix data. Each rank also writes its
+    position to the store, so a rank stuck waiting for a peer that never arrives can say which
+    peer is missing and where it was last seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from shardweave.fsdp._consistency import FSDPConsistencyError
+
+__all__ = [
+    "CHECK_ENV",
+    "CollectiveMismatchError",
+    "PeerFailureError",
+    "checks_enabled",
+    "failure_guard",
+    "publish_failure",
+    "set_checks",
+    "wait",
+]
+
+CHECK_ENV = "SHARDWEAVE_CHECK_COLLECTIVES"
+POLL_INTERVAL = datetime.timedelta(seconds=0.5)
+_PREFIX = "shardweave/fault"
+# Signature layout: step, sequence number, group hash, kind, numel, dtype.
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+_SIG_LEN = 6
+
+
+class PeerFailureError(RuntimeError):
+    """Another rank raised while this rank waited for it in a collective."""
+
+
+class CollectiveMismatchError(FSDPConsistencyError):
+    """Ranks were about to issue collectives that do not match (collective checks)."""
+
+
+class _FaultState:
+    """Process-wide: the current epoch, step and sequence number, and the check settings."""
+
+    def __init__(self) -> None:
+        self.epoch = 0  # agreed at each root lazy init; 0 = no root (or no peers) yet
+        self.step = 0
+        self.seq = 0
+        self.checks = os.environ.get(CHECK_ENV) == "1"
+        self.stall_timeout = 5.0
+        self.names: dict[int, str] = {}  # group hash -> group name, for peers' signatures
+        self.lock = threading.Lock()
+        self.published = False
+
+
+_STATE = _FaultState()
+
+
+def _store() -> dist.distributed_c10d.Store | None:
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _key(*parts: object) -> str:
+    return "/".join((_PREFIX, str(_STATE.epoch), *(str(p) for p in parts)))
+
+
+# --- lifecycle ----------------------------------------------------------------------------------
+def new_epoch(nonce: int | None) -> None:
+    """A root finished lazy init: start a fresh failure scope named by ``nonce``, which every
+    rank of the mesh agreed on (None: no peers, nothing to tell)."""
+    _STATE.epoch = 0 if nonce is None else nonce
+    _STATE.step = 0
+    _STATE.seq = 0
+    _STATE.published = False
+    _install_excepthook()
+
+
+def new_step() -> None:
+    """The root's forward started a new iteration."""
+    _STATE.step += 1
+    _STATE.seq = 0
+
+
+def set_checks(enabled: bool, stall_timeout: float | None = None) -> None:
+    _STATE.checks = enabled
+    if stall_timeout is not None:
+        if stall_timeout <= 0:
+            raise ValueError(f"stall_timeout must be positive seconds, got {stall_timeout!r}")
+        _STATE.stall_timeout = stall_timeout
+
+
+def checks_enabled() -> bool:
+    return _STATE.checks
+
+
+# --- publishing -----------------------------------------------------------------------------
+def publish_failure(exc: BaseException, where: str = "") -> None:
+    """Tell the peers that this rank failed with ``exc`` (first failure per epoch wins)."""
+    if isinstance(exc, (PeerFailureError, KeyboardInterrupt)) or _STATE.epoch == 0:
+        return
+    store = _store()
+    if store is None or _STATE.published:
+        return
+    rank = dist.get_rank()
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) > 2000:
+        text = text[:2000] + " ..."
+    detail = f"rank {rank} raised {text}" + (f" ({where})" if where else "")
+    with contextlib.suppress(Exception):  # never mask the original error
+        store.compare_set(_key("failure"), "", detail)
+        _STATE.published = True
+
+
+@contextlib.contextmanager
+def failure_guard() -> Iterator[None]:
+    """Publish any exception raised inside (then re-raise it), so peers waiting in a
+    collective raise ``PeerFailureError`` within a second instead of hanging."""
+    try:
+        yield
+    except BaseException as exc:
+        publish_failure(exc, "failure_guard")
+        raise
+
+
+_previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], object]
+_previous_hook = sys.excepthook
+
+
+def _excepthook(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    publish_failure(exc, "uncaught")
+    _previous_hook(exc_type, exc, tb)
+
+
+def _install_excepthook() -> None:
+    global _previous_hook
+    if sys.excepthook is not _excepthook:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def _peer_failure() -> str | None:
+    store = _store()
+    if store is None:
+        return None
+    key = _key("failure")
+    try:
+        if not store.check([key]):
+            return None
+        value = store.get(key).decode()
+    except Exception:
+        return None
+    return value or None
+
+
+# --- waiting --------------------------------------------------------------------------------
+def wait(work: dist.Work | None, what: str | Callable[[], str]) -> None:
+    """``work.wait()`` that gives up when a peer has published a failure.
+
+    ``what`` names the collective in the error (a callable defers building the text).
+    """
+    if work is None:
+        return
+    if _STATE.epoch == 0 or _store() is None:
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(timeout=POLL_INTERVAL)
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+        failure = _peer_failure()
+        if failure is not None:
+            raise PeerFailureError(
+                f"{failure}; this rank ({dist.get_rank()}) was waiting for it in "
+                f"{what if isinstance(what, str) else what()}. "
+                "The process group cannot be reused after a collective was abandoned: "
+                "destroy it (torch.distributed.destroy_process_group()) and restart"
+            )
+
+
+# --- collective checks ----------------------------------------------------------------------
+def _hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "little")
+
+
+def _describe(sig: list[int]) -> str:
+    step, seq, group, kind, numel, dtype = sig
+    name = _STATE.names.get(group, f"<unknown group {group:#x}>")
+    kind_name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
+    return (
+        f"{kind_name} of group '{name}' (step {step}, collective #{seq}, {numel} elements of "
+        f"{_DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else dtype})"
+    )
+
+
+_DTYPES: list[torch.dtype] = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+]
+
+
+def check_collective(
+    group: dist.ProcessGroup, kind: str, name: str, numel: int, dtype: torch.dtype
+) -> None:
+    """Refuse (on every rank of ``group``) a collective that peers would not issue identically."""
+    _STATE.seq += 1
+    gid = _hash(name)
+    _STATE.names[gid] = name
+    dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    sig = [_STATE.step, _STATE.seq, gid, _KINDS.index(kind), numel, dtype_code]
+    mine = _describe(sig)
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(_key("position", dist.get_rank()), mine)
+    world = group.size()
+    local = torch.tensor(sig, dtype=torch.int64)
+    gathered = torch.empty(world * _SIG_LEN, dtype=torch.int64)
+    work = dist.all_gather_into_tensor(gathered, local, group=group, async_op=True)
+    _wait_or_name_missing(work, group, mine)
+    rows = gathered.view(world, _SIG_LEN).tolist()
+    ranks = dist.get_process_group_ranks(group)
+    differ = [(r, row) for r, row in zip(ranks, rows, strict=True) if row != sig]
+    if differ:
+        lines = "\n".join(f"  rank {r}: {_describe(row)}" for r, row in differ)
+        raise CollectiveMismatchError(
+            f"collective check: rank {dist.get_rank()} is about to issue the {mine}, but\n"
+            f"{lines}\nA rank skipped a module, ran a different number of steps or produced "
+            "another shape; make every rank run the same modules in the same order (for "
+            "modules some ranks skip, call them with empty inputs, and see "
+            "set_reduce_scatter_unused_params)"
+        )
+
+
+def _wait_or_name_missing(work: dist.Work, group: dist.ProcessGroup, mine: str) -> None:
+    start = time.monotonic()
+    while True:
+        try:
+            work.wait(timeout=POLL_INTERVAL)
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+        failure = _peer_failure()
+        if failure is not None:
+            raise PeerFailureError(
+                f"{failure}; this rank ({dist.get_rank()}) was waiting for it before the {mine}"
+            )
+        if time.monotonic() - start < _STATE.stall_timeout:
+            continue
+        missing = _missing_peers(group, mine)
+        if missing:
+            raise CollectiveMismatchError(
+                f"collective check: rank {dist.get_rank()} waited {_STATE.stall_timeout:.0f} s "
+                f"for its peers before the {mine}; "
+                + "; ".join(missing)
+                + ". A rank left the step early or skipped this group; make every rank run the "
+                "same modules (or raise set_collective_checks(stall_timeout=...) for slow steps)"
+            )
+
+
+def _missing_peers(group: dist.ProcessGroup, mine: str) -> list[str]:
+    store = _store()
+    if store is None:
+        return []
+    out: list[str] = []
+    for rank in dist.get_process_group_ranks(group):
+        if rank == dist.get_rank():
+            continue
+        key = _key("position", rank)
+        try:
+            seen = store.get(key).decode() if store.check([key]) else None
+        except Exception:
+            seen = None
+        if seen != mine:
+            out.append(
+                f"rank {rank} did not join (last seen before the "
+                f"{seen if seen is not None else 'start of this model'})"
+            )
+    return out

@@ -1,0 +1,264 @@
+"""Faults made for real in spawned groups: every rank gets a clear error, fast, never a hang.
+
+Each case runs on a fresh gloo process group with a 30 s timeout (a case that abandons a
+collective leaves that group unusable, as it would in a real job) and asserts the error type,
+its text on every rank, and the time to the error. Oracles: the error contract itself, and
+for the unused-parameter case the unsharded reference and torch's fully_shard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardweave.fsdp import (
+    CollectiveMismatchError,
+    PeerFailureError,
+    failure_guard,
+    fully_shard,
+)
+from shardweave.fsdp._fault import set_checks
+from tests._dist import WorkerPool, assert_close
+
+PG_TIMEOUT = datetime.timedelta(seconds=30)
+DEADLINE_S = 10.0  # the issue's target: peers learn of a failure well inside the PG timeout
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.fail_on: tuple[int, int] | None = None  # (rank, step) to raise at
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        if self.fail_on == (dist.get_rank(), self.step):
+            raise ValueError(f"boom in block on rank {dist.get_rank()}")
+        return torch.relu(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.skip_on: tuple[int, int] | None = None  # (rank, block) a rank skips
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if self.skip_on != (dist.get_rank(), i):
+                x = block(x)
+        return x
+
+
+def _fresh_mesh() -> DeviceMesh:
+    pg = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+    return DeviceMesh.from_group(pg, "cpu")
+
+
+def _build(mesh: DeviceMesh) -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def _step(net: nn.Module, rank: int, step: int) -> None:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+    net(x).sum().backward()
+
+
+def _expect(
+    rank: int,
+    body: Callable[[], None],
+    errors: dict[int, tuple[type[BaseException], str]],
+) -> float:
+    """Run ``body``; this rank must raise ``errors[rank]`` (type, regex). Returns seconds."""
+    start = time.monotonic()
+    exc_type, pattern = errors[rank]
+    with pytest.raises(exc_type, match=pattern):
+        body()
+    return time.monotonic() - start
+
+
+def _agree_and_check_time(elapsed: float, what: str) -> None:
+    # Every rank reports how long its error took, over the default (healthy) group.
+    times = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    assert float(times) < DEADLINE_S, f"{what}: slowest rank took {float(times):.1f} s"
+
+
+def peer_raises_in_forward(rank: int, world: int) -> None:
+    net = _build(_fresh_mesh())
+    _step(net, rank, 0)  # a healthy step first: lazy init, failure scope agreed
+    net.blocks[1].fail_on = (1, 2)  # type: ignore[union-attr]
+
+    def body() -> None:
+        _step(net, rank, 1)
+
+    elapsed = _expect(
+        rank,
+        body,
+        {
+            0: (PeerFailureError, r"rank 1 raised ValueError: boom in block on rank 1.*all-gather"),
+            1: (ValueError, "boom in block"),
+        },
+    )
+    _agree_and_check_time(elapsed, "peer raises in forward")
+
+
+def peer_raises_outside_forward(rank: int, world: int) -> None:
+    net = _build(_fresh_mesh())
+    _step(net, rank, 0)
+
+    def body() -> None:
+        x = torch.randn(4, 16)
+        with failure_guard():
+            out = net(x)
+            if rank == 1:
+                raise RuntimeError("bad batch on rank 1 (loss computation)")
+            out.sum().backward()
+
+    elapsed = _expect(
+        rank,
+        body,
+        {
+            0: (PeerFailureError, r"rank 1 raised RuntimeError: bad batch on rank 1"),
+            1: (RuntimeError, "bad batch"),
+        },
+    )
+    _agree_and_check_time(elapsed, "peer raises outside forward")
+
+
+def rank_skips_a_module(rank: int, world: int) -> None:
+    """Checks on: rank 1 skips block 1 (a data-dependent branch); both ranks name it."""
+    net = _build(_fresh_mesh())
+    _step(net, rank, 0)
+    net.skip_on = (1, 1)
+    set_checks(True)
+    try:
+        elapsed = _expect(
+            rank,
+            lambda: _step(net, rank, 1),
+            {
+                0: (CollectiveMismatchError, r"(?s)all_gather of group 'blocks\.1'.*rank 1: "),
+                1: (CollectiveMismatchError, r"(?s)all_gather of group 'blocks\.2'.*rank 0: "),
+            },
+        )
+    finally:
+        set_checks(False)
+    _agree_and_check_time(elapsed, "rank skips a module")
+
+
+def rank_leaves_the_step(rank: int, world: int) -> None:
+    """Checks on: rank 1 stops calling the model (an early exit) and waits elsewhere."""
+    net = _build(_fresh_mesh())
+    _step(net, rank, 0)
+    set_checks(True, stall_timeout=2.0)
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        if rank == 1:
+            # Not in any collective: the peer must still learn who is missing.
+            store.wait(["never_hang/left_done"], datetime.timedelta(seconds=60))
+            return
+        elapsed = _expect(
+            rank,
+            lambda: _step(net, rank, 1),
+            {0: (CollectiveMismatchError, r"rank 1 did not join.*blocks\.0|rank 1 did not join")},
+        )
+        store.set("never_hang/left_done", "1")
+        assert elapsed < DEADLINE_S, elapsed
+    finally:
+        set_checks(False, stall_timeout=5.0)
+
+
+class Experts(nn.Module):
+    """Two experts in one FSDP group; a rank with no tokens for an expert skips it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, route: list[int]) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            if i in route:
+                out = out + expert(x)
+        return out
+
+
+def unused_params(rank: int, world: int) -> None:
+    """Rank 1 routes nothing to expert 1. Without set_reduce_scatter_unused_params the ranks'
+    reduce-scatters differ in size (torch on gloo aborts the process): with checks on, a
+    CollectiveMismatchError on every rank; with the setter, training matches the reference."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    routes = {0: [0, 1], 1: [0]}
+    mesh = _fresh_mesh()
+
+    def build(api: Callable[..., Any]) -> nn.Module:
+        torch.manual_seed(0)
+        model = Experts()
+        api(model, mesh=mesh)
+        return model
+
+    model = build(fully_shard)
+    set_checks(True)
+    try:
+        with pytest.raises(CollectiveMismatchError, match="reduce_scatter of group"):
+            model(torch.randn(2, 8), routes[rank]).sum().backward()
+    finally:
+        set_checks(False)
+    model, tmodel = build(fully_shard), build(torch_fully_shard)
+    model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+    tmodel.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+    torch.manual_seed(0)
+    ref = Experts()
+    for step in range(2):
+        xs = [
+            torch.randn(2, 8, generator=torch.Generator().manual_seed(step * 10 + r))
+            for r in (0, 1)
+        ]
+        for m in (model, tmodel):
+            m(xs[rank], routes[rank]).sum().backward()
+        (sum(ref(xs[r], routes[r]).sum() for r in (0, 1)) / 2).backward()  # type: ignore[union-attr]
+        for (name, p), tp, rp in zip(
+            model.named_parameters(), tmodel.parameters(), ref.parameters(), strict=True
+        ):
+            assert torch.equal(p.grad.to_local(), tp.grad.to_local()), name  # type: ignore[union-attr]
+            assert_close(p.grad.full_tensor(), rp.grad, msg=name)  # type: ignore[union-attr, arg-type]
+        for m in (model, tmodel, ref):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(0.1 * p.grad)  # type: ignore[operator]
+            m.zero_grad(set_to_none=True)
+
+
+CASES: dict[str, Callable[[int, int], None]] = {
+    "peer_raises_in_forward": peer_raises_in_forward,
+    "peer_raises_outside_forward": peer_raises_outside_forward,
+    "rank_skips_a_module": rank_skips_a_module,
+    "rank_leaves_the_step": rank_leaves_the_step,
+    "unused_params": unused_params,
+}
+
+
+def run_case(rank: int, world: int, name: str) -> None:
+    CASES[name](rank, world)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_faults_give_errors_not_hangs(world2: WorkerPool, name: str) -> None:
+    """Oracle: the error contract (type and text on every rank, under 10 s with a 30 s
+    process-group timeout); unused_params also checks the reference and torch."""
+    world2.run(run_case, name, timeout=60)
