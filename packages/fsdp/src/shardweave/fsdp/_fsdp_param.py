@@ -195,6 +195,11 @@ class FSDPParam:
                 f"Shard dim {shard_dim} is invalid for {data.ndim}D tensor '{self.param_fqn}'"
             )
         world, rank = self.shard_world_size, self.shard_rank
+        if shard_dim > 0 and data.numel() == 0:
+            raise NotImplementedError(
+                f"fully_shard cannot shard the empty parameter '{self.param_fqn}' (shape "
+                f"{tuple(data.shape)}) on dim {shard_dim}; shard it on dim 0 (the default)"
+            )
         if shard_dim > 0 and data.size(shard_dim) % world != 0:
             raise NotImplementedError(
                 f"fully_shard does not support uneven sharding on dim {shard_dim}: "

@@ -240,12 +240,12 @@ class FSDPParamGroup:
         if len(orig) > 1:
             raise AssertionError(
                 f"FSDP expects uniform original parameter dtype but got {orig} in group "
-                f"'{self._module_fqn}'; cast the module to one dtype or split it into groups"
+                f"'{self._fqn}'; cast the module to one dtype or split it into groups"
             )
         reduce = {p.reduce_dtype for p in trainable}
         if len(reduce) > 1:
             raise AssertionError(
-                f"FSDP expects uniform reduce dtype but got {reduce} in group '{self._module_fqn}'"
+                f"FSDP expects uniform reduce dtype but got {reduce} in group '{self._fqn}'"
             )
         self._orig_dtype = next(iter(orig)) if trainable else None
         self._reduce_dtype = next(iter(reduce)) if trainable else None

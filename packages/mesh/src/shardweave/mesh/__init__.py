@@ -5,6 +5,7 @@ extension points; plugins (``shardweave-extensions``, or your own package) imple
 """
 
 from shardweave.mesh._dims import (
+    ArgumentTypeError,
     DataParallelMeshDims,
     MeshValidationError,
     default_mesh,
@@ -26,6 +27,7 @@ from shardweave.mesh._registry import (
 from shardweave.mesh._version import __version__
 
 __all__ = [
+    "ArgumentTypeError",
     "DDPMeshInfo",
     "DataParallelMeshDims",
     "DataParallelMeshInfo",
