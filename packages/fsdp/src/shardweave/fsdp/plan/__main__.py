@@ -1,0 +1,94 @@
+"""``python -m shardweave.fsdp.plan --model PKG.MODULE:FACTORY --mesh 8x128 --wrap Block``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from torch import nn
+
+from shardweave.fsdp.plan._model import PlanError
+from shardweave.fsdp.plan._plan import OPTIMIZER_STATES, plan
+from shardweave.fsdp.plan._report import format_table
+
+
+def _load_factory(spec: str) -> Callable[[], nn.Module]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise PlanError(f"--model must be PKG.MODULE:FACTORY, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # let `demos.x:f` resolve from the current directory
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PlanError(f"--model: cannot import {module_name!r}: {exc}") from exc
+    factory = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise PlanError(f"--model: {module_name!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise PlanError(f"--model: {spec!r} is not callable")
+    return factory
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m shardweave.fsdp.plan",
+        description="Predict per-rank memory and per-step communication of fully_shard, "
+        "from a model built on the meta device (no GPUs, no process group).",
+    )
+    p.add_argument("--model", required=True, help="PKG.MODULE:FACTORY (zero-argument)")
+    p.add_argument("--mesh", required=True, help="shard size '1024', or 'RxS' for HSDP")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (approximate)")
+    p.add_argument("--mp", default=None, help="param dtype: bf16, fp16 or fp32")
+    p.add_argument("--reduce-dtype", default=None, help="reduce dtype: bf16, fp16 or fp32")
+    p.add_argument("--reshard-after-forward", default="true", help="true, false or an int N")
+    p.add_argument(
+        "--root-reshard-after-forward", default=None, help="the root's (default: stays gathered)"
+    )
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    p.add_argument("--wrap", default=None, help="module class name(s) to wrap, comma-separated")
+    p.add_argument("--forward-prefetch", type=int, default=0)
+    p.add_argument("--backward-prefetch", type=int, default=1)
+    p.add_argument("--json", default=None, help="write the plan as JSON to this path")
+    p.add_argument("--timeline", action="store_true", help="include the event timeline in JSON")
+    p.add_argument("--quiet", action="store_true", help="no table on stdout")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        result = plan(
+            _load_factory(args.model),
+            mesh=args.mesh,
+            tp=args.tp,
+            wrap=args.wrap,
+            mp_policy=args.mp,
+            reduce_dtype=args.reduce_dtype,
+            reshard_after_forward=args.reshard_after_forward,
+            root_reshard_after_forward=args.root_reshard_after_forward,
+            optimizer=args.optimizer,
+            forward_prefetch=args.forward_prefetch,
+            backward_prefetch=args.backward_prefetch,
+        )
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        data = result.to_dict(timeline=args.timeline)
+        data["inputs"]["model"] = args.model  # type: ignore[index]
+        Path(args.json).write_text(json.dumps(data, indent=1, default=str) + "\n")
+    if not args.quiet:
+        print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

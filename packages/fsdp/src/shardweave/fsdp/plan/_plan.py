@@ -1,0 +1,529 @@
+"""``plan()``: per-rank memory and per-step communication of a ``fully_shard`` setup, predicted
+from parameter shapes alone (a meta-device model; no process group, no parameter memory)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Final
+
+import torch
+from torch import nn
+
+from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+from shardweave.fsdp.plan._model import (
+    ROOT_KEY,
+    GroupSpec,
+    PlanError,
+    WrapPredicate,
+    discover_groups,
+    module_wrap_predicate,
+)
+from shardweave.fsdp.plan._schedule import GroupTraffic, TimelineRecord, simulate_step
+from shardweave.fsdp.plan._sharding import layout, reduce_dtype, unsharded_dtype
+
+__all__ = ["GroupPlan", "ParamPlan", "Plan", "plan"]
+
+# Optimizer state tensors per trainable parameter, each the size of the rank's (unpadded) shard
+# in the parameter's original dtype. Adam's per-parameter ``step`` scalars are not counted (one
+# 4-byte tensor per parameter, kept on the CPU unless capturable/fused).
+OPTIMIZER_STATES: Final[dict[str, int]] = {
+    "adamw": 2,
+    "adam": 2,
+    "sgd": 0,
+    "sgd_momentum": 1,
+    "none": 0,
+}
+
+DTYPE_NAMES: Final[dict[str, torch.dtype]] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+_SHORT: Final[dict[torch.dtype, str]] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+}
+
+ModelOrFactory = nn.Module | Callable[[], nn.Module]
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    fqn: str
+    shape: tuple[int, ...]  # gathered shape (the TP-local shape under tensor parallelism)
+    dtype: str
+    requires_grad: bool
+    padded_shard_numel: int
+    rank0_numel: int
+    last_rank_numel: int
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One group's per-rank bytes and per-step traffic. ``key`` is the tracer's group key."""
+
+    key: str
+    module_type: str
+    reshard_after_forward: bool | int
+    num_params: int
+    numel: int
+    trainable_numel: int
+    padded_shard_numel: int
+    sharded_param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int  # shard rank 0 (the most)
+    last_rank_optimizer_state_bytes: int
+    rank0_numel: int  # real (unpadded) elements on shard rank 0
+    last_rank_numel: int
+    gathered_bytes: int  # one all-gather's output: W * padded shard numel in the gather dtype
+    unsharded_grad_bytes: int
+    post_forward_shard_bytes: int
+    all_gathers_per_step: int
+    all_gather_bytes: int  # per step
+    reduce_scatters_per_step: int
+    reduce_scatter_bytes: int  # per step (input bytes)
+    all_reduces_per_step: int
+    all_reduce_bytes: int  # per step
+    children: tuple[tuple[str, int], ...]
+    params: tuple[ParamPlan, ...] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-rank predictions for one training step (bytes; max over ranks).
+
+    Memory on every rank is the same except optimizer state: the engine keeps padded shards
+    (and padded sharded gradients) on every rank, while optimizer state follows the real shard,
+    which is largest on shard rank 0; ``ranks`` gives rank 0 and the last shard rank.
+    """
+
+    inputs: dict[str, object]
+    world_size: int
+    shard_size: int
+    replicate_size: int
+    total_numel: int
+    sharded_param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    peak_gathered_param_bytes: int
+    unsharded_grad_bytes: int
+    peak_tensor_bytes: int
+    comm_bytes: dict[str, int]
+    collectives: dict[str, int]
+    ranks: dict[str, dict[str, int]]
+    groups: tuple[GroupPlan, ...]
+    largest_group: str
+    suggestions: tuple[str, ...]
+    schedule: dict[str, object]
+    timeline: tuple[TimelineRecord, ...] = field(repr=False)
+    planner_seconds: float = 0.0
+
+    def group(self, key: str) -> GroupPlan:
+        for g in self.groups:
+            if g.key == key:
+                return g
+        raise KeyError(f"no group {key!r}; groups: {[g.key for g in self.groups]}")
+
+    def to_dict(self, *, params: bool = True, timeline: bool = False) -> dict[str, object]:
+        """JSON-ready (dtypes as names); per-parameter rows and the timeline are optional."""
+        out = asdict(self)
+        if not params:
+            for g in out["groups"]:
+                g.pop("params")
+        out["timeline"] = [asdict(r) for r in self.timeline] if timeline else None
+        if not timeline:
+            out.pop("timeline")
+        return out
+
+
+def parse_mesh(mesh: int | Sequence[int] | str) -> tuple[int, ...]:
+    """``1024`` / ``"1024"`` (shard) or ``(8, 128)`` / ``"8x128"`` (replicate x shard)."""
+    if isinstance(mesh, str):
+        try:
+            dims = tuple(int(d) for d in mesh.lower().replace("*", "x").split("x"))
+        except ValueError:
+            raise PlanError(
+                f"plan: mesh {mesh!r} is not a shape; pass e.g. '1024' or '8x128' "
+                "(replicate x shard)"
+            ) from None
+    elif isinstance(mesh, int):
+        dims = (mesh,)
+    else:
+        dims = tuple(int(d) for d in mesh)
+    if not 1 <= len(dims) <= 2 or any(d < 1 for d in dims):
+        raise PlanError(
+            f"plan: mesh must be one positive size (FSDP) or two (replicate, shard) for HSDP, "
+            f"got {mesh!r}"
+        )
+    return dims
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value.lower() in ("none", ""):
+        return None
+    if value.lower() not in DTYPE_NAMES:
+        raise PlanError(f"plan: unknown dtype {value!r}; use one of {sorted(DTYPE_NAMES)}")
+    return DTYPE_NAMES[value.lower()]
+
+
+def parse_mp(
+    mp_policy: MixedPrecisionPolicy | str | torch.dtype | None,
+    reduce: str | torch.dtype | None = None,
+) -> MixedPrecisionPolicy:
+    if isinstance(mp_policy, MixedPrecisionPolicy):
+        if reduce is not None:
+            raise PlanError("plan: pass reduce_dtype inside the MixedPrecisionPolicy, not both")
+        return mp_policy
+    return MixedPrecisionPolicy(
+        param_dtype=parse_dtype(mp_policy), reduce_dtype=parse_dtype(reduce)
+    )
+
+
+def parse_reshard(value: bool | int | str | None) -> bool | int | None:
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    lowered = value.lower()
+    if lowered in ("true", "yes"):
+        return True
+    if lowered in ("false", "no"):
+        return False
+    if lowered == "none":
+        return None
+    try:
+        return int(lowered)
+    except ValueError:
+        raise PlanError(
+            f"plan: reshard_after_forward must be true, false or an int, got {value!r}"
+        ) from None
+
+
+def _resolve_reshard(value: bool | int | None, shard_size: int, is_root: bool) -> bool | int:
+    if value is None:
+        return not is_root  # the root's default keeps it gathered after forward
+    if isinstance(value, bool):
+        return value
+    if value < 1 or value > shard_size or shard_size % value:
+        factors = tuple(d for d in range(1, shard_size + 1) if shard_size % d == 0)
+        raise PlanError(
+            f"plan: reshard_after_forward={value} must divide the shard size {shard_size}; "
+            f"pass one of {factors[:12]}{' ...' if len(factors) > 12 else ''}, or True/False"
+        )
+    if value == 1:
+        return False
+    if value == shard_size:
+        return True
+    return value
+
+
+def _build_model(model_or_factory: ModelOrFactory) -> nn.Module:
+    if isinstance(model_or_factory, nn.Module):
+        return model_or_factory
+    if not callable(model_or_factory):
+        raise PlanError(
+            f"plan: expected an nn.Module or a zero-argument factory, got "
+            f"{type(model_or_factory).__name__}"
+        )
+    with torch.device("meta"):
+        model = model_or_factory()
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"plan: the factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def default_tp_shard_dim(fqn: str, param: nn.Parameter) -> int | None:
+    """Approximate tensor parallelism: matrices sharded on dim 0, vectors replicated."""
+    return 0 if param.ndim >= 2 else None
+
+
+def plan(
+    model_or_factory: ModelOrFactory,
+    *,
+    mesh: int | Sequence[int] | str,
+    tp: int = 1,
+    tp_shard_dim: Callable[[str, nn.Parameter], int | None] | None = None,
+    wrap: type | str | Sequence[str] | WrapPredicate | None = None,
+    mp_policy: MixedPrecisionPolicy | str | torch.dtype | None = None,
+    reduce_dtype: str | torch.dtype | None = None,
+    reshard_after_forward: bool | int | str = True,
+    root_reshard_after_forward: bool | int | str | None = None,
+    optimizer: str = "adamw",
+    ignored_params: set[nn.Parameter] | None = None,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
+) -> Plan:
+    """Predict per-rank memory and per-step communication of ``fully_shard`` on ``mesh``.
+
+    The model is built on the meta device (pass a zero-argument factory; a module you built
+    yourself is only read). ``fully_shard`` is modeled on every module ``wrap`` selects (inner
+    first) and then on the root; no parameter memory is allocated and no process group is
+    needed, so any mesh size is cheap: per-rank numbers are closed forms.
+
+    Args:
+        model_or_factory: a zero-argument callable returning the model, or the model.
+        mesh: shard size (``1024`` or ``"1024"``), or ``(replicate, shard)`` for HSDP
+            (``(8, 128)`` or ``"8x128"``): HSDP all-reduces the reduce-scatter output over the
+            replicate dim (more traffic, and each rank gathers from fewer peers).
+        tp: tensor-parallel degree (the data-parallel mesh is per TP rank): parameters are
+            first chunked by ``tp_shard_dim(fqn, param)`` (default: matrices on dim 0, vectors
+            replicated; an approximation of a real TP plan).
+        tp_shard_dim: the tensor-parallel dim of each parameter, or ``None`` for replicated.
+        wrap: which modules get their own ``fully_shard``: a class, a class name (several
+            comma-separated), or a predicate. Smaller groups lower peak gathered memory; more
+            groups cost more collectives.
+        mp_policy: a ``MixedPrecisionPolicy`` or a ``param_dtype`` name (``"bf16"``).
+        reduce_dtype: with a dtype name for ``mp_policy``: the reduce dtype (e.g. ``"fp32"``).
+        reshard_after_forward: for the wrapped modules: ``True`` (least memory, a second
+            all-gather in backward), ``False`` (no second all-gather, every group stays
+            gathered), or an int ``N`` dividing the shard size (keeps ``1/N`` after forward;
+            the backward all-gather runs within ``N`` ranks).
+        root_reshard_after_forward: the root's; ``None`` (the engine's default) keeps the root
+            gathered after forward.
+        optimizer: ``"adamw"``/``"adam"`` (2 states), ``"sgd_momentum"`` (1), ``"sgd"`` (0).
+        ignored_params: parameters ``fully_shard`` leaves alone (not counted).
+        forward_prefetch: each wrapped module prefetches the next ``k`` in forward (as
+            ``set_modules_to_forward_prefetch``); 0 is the engine's default.
+        backward_prefetch: previous groups prefetched in backward: 1 is the engine's implicit
+            prefetch, ``k > 1`` models explicit ``set_modules_to_backward_prefetch`` lists.
+
+    Returns:
+        A ``Plan``: totals (``sharded_param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``,
+        ``peak_gathered_param_bytes``, ``unsharded_grad_bytes``, ``peak_tensor_bytes``,
+        ``comm_bytes``), per-group rows and suggestions. Activations are not included.
+
+    Example::
+
+        from shardweave.fsdp.plan import plan
+        p = plan(lambda: MyModel(cfg), mesh="8x128", wrap="Block", mp_policy="bf16")
+        print(p.peak_tensor_bytes / 2**30, "GiB per rank")
+    """
+    started = time.perf_counter()
+    dims = parse_mesh(mesh)
+    replicate_size, shard_size = (1, dims[0]) if len(dims) == 1 else dims
+    if not isinstance(tp, int) or tp < 1:
+        raise PlanError(f"plan: tp must be a positive int, got {tp!r}")
+    if optimizer.lower().replace("-", "_") not in OPTIMIZER_STATES:
+        raise PlanError(
+            f"plan: unknown optimizer {optimizer!r}; use one of {list(OPTIMIZER_STATES)}"
+        )
+    if forward_prefetch < 0 or backward_prefetch < 1:
+        raise PlanError("plan: forward_prefetch must be >= 0 and backward_prefetch >= 1")
+    states = OPTIMIZER_STATES[optimizer.lower().replace("-", "_")]
+    mp = parse_mp(mp_policy, reduce_dtype)
+    block_reshard = parse_reshard(reshard_after_forward)
+    root_reshard = parse_reshard(root_reshard_after_forward)
+    model = _build_model(model_or_factory)
+    specs = discover_groups(
+        model,
+        module_wrap_predicate(wrap),
+        ignored_params=ignored_params,
+        tp=tp,
+        tp_shard_dim=(tp_shard_dim or default_tp_shard_dim) if tp > 1 else None,
+    )
+    groups: list[GroupPlan] = []
+    traffic: list[GroupTraffic] = []
+    for spec in specs:
+        is_root = spec.key == ROOT_KEY
+        mode = _resolve_reshard(root_reshard if is_root else block_reshard, shard_size, is_root)
+        gp, tr = _group_plan(spec, mode, shard_size, mp, states)
+        groups.append(gp)
+        traffic.append(tr)
+    sched = simulate_step(
+        traffic, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch
+    )
+    final: list[GroupPlan] = []
+    for gp in groups:
+        ag_count = sched.all_gathers.get(gp.key, 0) if shard_size > 1 else 0
+        trains = gp.trainable_numel > 0
+        rs_count = 1 if trains and shard_size > 1 else 0
+        ar_count = 1 if trains and replicate_size > 1 else 0
+        final.append(
+            dataclasses.replace(
+                gp,
+                all_gathers_per_step=ag_count,
+                all_gather_bytes=ag_count * gp.gathered_bytes,
+                reduce_scatters_per_step=rs_count,
+                reduce_scatter_bytes=rs_count * gp.reduce_scatter_bytes,
+                all_reduces_per_step=ar_count,
+                all_reduce_bytes=ar_count * gp.all_reduce_bytes,
+            )
+        )
+    sharded = sum(g.sharded_param_bytes for g in final)
+    grads = sum(g.grad_bytes for g in final)
+    opt0 = sum(g.optimizer_state_bytes for g in final)
+    comm = {
+        "all_gather": sum(g.all_gather_bytes for g in final),
+        "reduce_scatter": sum(g.reduce_scatter_bytes for g in final),
+        "all_reduce": sum(g.all_reduce_bytes for g in final),
+    }
+    comm["total"] = sum(comm.values())
+    collectives = {
+        "all_gather": sum(g.all_gathers_per_step for g in final),
+        "reduce_scatter": sum(g.reduce_scatters_per_step for g in final),
+        "all_reduce": sum(g.all_reduces_per_step for g in final),
+    }
+    ranks = _rank_rows(final)
+    static = sharded + grads + opt0
+    largest = max(final, key=lambda g: g.gathered_bytes).key if final else ""
+    from shardweave.fsdp.plan._report import suggestions as make_suggestions
+
+    inputs: dict[str, object] = {
+        "mesh": list(dims),
+        "tp": tp,
+        "wrap": wrap
+        if isinstance(wrap, str) or wrap is None
+        else getattr(wrap, "__name__", repr(wrap)),
+        "mp_policy": {
+            "param_dtype": _name(mp.param_dtype),
+            "reduce_dtype": _name(mp.reduce_dtype),
+        },
+        "reshard_after_forward": block_reshard,
+        "root_reshard_after_forward": root_reshard,
+        "optimizer": optimizer,
+        "forward_prefetch": forward_prefetch,
+        "backward_prefetch": backward_prefetch,
+    }
+    result = Plan(
+        inputs=inputs,
+        world_size=math.prod(dims) * tp,
+        shard_size=shard_size,
+        replicate_size=replicate_size,
+        total_numel=sum(g.numel for g in final),
+        sharded_param_bytes=sharded,
+        grad_bytes=grads,
+        optimizer_state_bytes=opt0,
+        peak_gathered_param_bytes=sched.peak_gathered_bytes,
+        unsharded_grad_bytes=sched.peak_grad_bytes,
+        peak_tensor_bytes=static + sched.peak_dynamic_bytes,
+        comm_bytes=comm,
+        collectives=collectives,
+        ranks=ranks,
+        groups=tuple(final),
+        largest_group=largest,
+        suggestions=(),
+        schedule={
+            "peak_gathered_at": sched.peak_gathered_at,
+            "peak_dynamic_bytes": sched.peak_dynamic_bytes,
+            "peak_dynamic_at": sched.peak_dynamic_at,
+            "model": (
+                "forward: root unshards, wrapped modules unshard/run/reshard in order; "
+                f"forward prefetch {forward_prefetch}; backward: each group re-gathers if "
+                f"resharded and prefetches {backward_prefetch} previous group(s); root and "
+                "wrapped nn.Embedding reduce in the final callback; activations excluded"
+            ),
+        },
+        timeline=tuple(sched.timeline),
+    )
+    result = dataclasses.replace(result, suggestions=tuple(make_suggestions(result, specs)))
+    return dataclasses.replace(result, planner_seconds=round(time.perf_counter() - started, 4))
+
+
+def _name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _group_plan(
+    spec: GroupSpec,
+    mode: bool | int,
+    world: int,
+    mp: MixedPrecisionPolicy,
+    states: int,
+) -> tuple[GroupPlan, GroupTraffic]:
+    params: list[ParamPlan] = []
+    numel = trainable = padded = 0
+    sharded = grad = opt = opt_last = gathered = ugrad = post = rs = ar = 0
+    rank0 = last = 0
+    for p in spec.params:
+        lay = layout(p.shape, world)
+        ud = unsharded_dtype(p.dtype, mp.param_dtype)
+        rd = reduce_dtype(p.dtype, mp.param_dtype, mp.reduce_dtype)
+        orig = p.dtype.itemsize
+        numel += lay.numel
+        padded += lay.padded_shard_numel
+        rank0 += lay.rank0_numel
+        last += lay.last_numel
+        sharded += lay.padded_shard_numel * orig
+        gathered += world * lay.padded_shard_numel * ud.itemsize
+        if not isinstance(mode, bool):
+            post += world * lay.padded_shard_numel // mode * ud.itemsize
+        if p.requires_grad:
+            trainable += lay.numel
+            grad += lay.padded_shard_numel * orig
+            opt += states * lay.rank0_numel * orig
+            opt_last += states * lay.last_numel * orig
+            ugrad += lay.numel * ud.itemsize
+            rs += world * lay.padded_shard_numel * rd.itemsize
+            ar += lay.padded_shard_numel * rd.itemsize
+        params.append(
+            ParamPlan(
+                p.fqn,
+                p.shape,
+                _name(p.dtype) or "",
+                p.requires_grad,
+                lay.padded_shard_numel,
+                lay.rank0_numel,
+                lay.last_numel,
+            )
+        )
+    gp = GroupPlan(
+        key=spec.key,
+        module_type=spec.module_type,
+        reshard_after_forward=mode,
+        num_params=len(spec.params),
+        numel=numel,
+        trainable_numel=trainable,
+        padded_shard_numel=padded,
+        sharded_param_bytes=sharded,
+        grad_bytes=grad,
+        optimizer_state_bytes=opt,
+        last_rank_optimizer_state_bytes=opt_last,
+        rank0_numel=rank0,
+        last_rank_numel=last,
+        gathered_bytes=gathered,
+        unsharded_grad_bytes=ugrad,
+        post_forward_shard_bytes=post,
+        all_gathers_per_step=0,
+        all_gather_bytes=0,
+        reduce_scatters_per_step=0,
+        reduce_scatter_bytes=rs,  # one collective's bytes until scaled by the count
+        all_reduces_per_step=0,
+        all_reduce_bytes=ar,
+        children=spec.children,
+        params=tuple(params),
+    )
+    tr = GroupTraffic(
+        key=spec.key,
+        parent=spec.parent,
+        gathered_bytes=gathered,
+        post_forward_bytes=post,
+        unsharded_grad_bytes=ugrad,
+        reshard_after_forward=mode,
+        deferred_post_backward=spec.key == ROOT_KEY or spec.input_is_integer,
+    )
+    return gp, tr
+
+
+def _rank_rows(groups: Sequence[GroupPlan]) -> dict[str, dict[str, int]]:
+    return {
+        "rank0": {
+            "real_shard_numel": sum(g.rank0_numel for g in groups),
+            "optimizer_state_bytes": sum(g.optimizer_state_bytes for g in groups),
+        },
+        "last_shard_rank": {
+            "real_shard_numel": sum(g.last_rank_numel for g in groups),
+            "optimizer_state_bytes": sum(g.last_rank_optimizer_state_bytes for g in groups),
+        },
+    }
