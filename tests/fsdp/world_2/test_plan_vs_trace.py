@@ -18,7 +18,7 @@ from shardweave.fsdp import MixedPrecisionPolicy, fully_shard, trace
 from shardweave.fsdp._fsdp_state import get_fsdp_state
 from shardweave.fsdp.plan import plan
 from tests._dist import WorkerPool
-from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
+from tests.fsdp._models import loss_fn, make_batch, make_model
 
 CONFIGS: list[dict[str, Any]] = [
     {"kind": "gpt"},
@@ -147,9 +147,7 @@ def test_plan_matches_trace_world2(world2: WorkerPool, cfg: dict[str, Any]) -> N
     world2.run(plan_matches_trace, cfg)
 
 
-@pytest.mark.parametrize(
-    "cfg", CONFIGS_4, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
-)
+@pytest.mark.parametrize("cfg", CONFIGS_4, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_plan_matches_trace_world4(world4: WorkerPool, cfg: dict[str, Any]) -> None:
     """Oracle: measurement (tracer + held bytes on 4 real ranks; HSDP on a 2x2 mesh)."""
     world4.run(plan_matches_trace, cfg)
