@@ -3,6 +3,7 @@
     nox                     tests, typecheck, lint, isolated(mesh|fsdp|replicate|extensions)
     nox -s demo             train a small GPT with fully_shard on 2 local CPU processes (torchrun)
     nox -s bench            timing scripts; never gates a merge
+    nox -s docs             build the Sphinx docs into docs/_build/html, warnings as errors
     nox -s tests -- -k fsdp -x     arguments after -- go to pytest (or to the demo / bench script)
 
 Every session that installs torch installs it first, from SHARDWEAVE_TORCH_SPEC (default
@@ -35,11 +36,13 @@ DEFAULT_TORCH_SPEC = "torch==2.13.0"
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
-LINT_PATHS = ("packages", "tests", "tools", "demos", "benchmarks", "noxfile.py")
+LINT_PATHS = (
+    "packages", "tests", "tools", "demos", "benchmarks", "examples", "docs", "noxfile.py",
+)  # fmt: skip
 TEST_PLUGIN = "tests/fixtures/shardweave_test_plugin"
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "typecheck", "lint", "isolated"]  # demo and bench on request
+nox.options.sessions = ["tests", "typecheck", "lint", "isolated"]  # demo, bench, docs on request
 nox.options.error_on_external_run = True
 
 
@@ -195,3 +198,20 @@ def bench(session: nox.Session) -> None:
     _install_all_packages(session, "numpy")
     _install_requirements_file(session, "benchmarks/requirements.txt")
     session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+DOCS_DEPS = ("sphinx>=8", "myst-parser>=4")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Sphinx HTML docs (API reference from each package's ``__all__``) into docs/_build/html.
+
+    ``-W``: a warning (say, bad RST in a docstring) fails the build. Never a default session.
+    """
+    _install_torch(session)
+    _install_all_packages(session, *DOCS_DEPS)
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html",
+        *session.posargs,
+    )  # fmt: skip
