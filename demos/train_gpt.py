@@ -10,6 +10,14 @@ trains on its own batches; FSDP averages the gradients. Rank 0 draws a progress 
 and prints a report at the end: losses, step times, throughput, per-rank memory and a sample of
 generated text. ``--impl torch`` runs the same script on torch's own FSDP2, which is how the two
 engines are compared (and how this script is checked while shardweave is being written).
+
+With shardweave, rank 0 first prints the planner's prediction for this setup
+(``shardweave.fsdp.plan``: per-rank memory and bytes per step, no process group needed), and
+steps 1..``--trace-steps`` run under the tracer (``shardweave.fsdp.trace``). After training,
+``--trace-dir`` (default ``demo-output/``) holds each rank's Chrome / Perfetto trace
+(``trace-rank{N}.json``, open it in ui.perfetto.dev) and memory timeline
+(``memory-rank{N}.png``, needs matplotlib), and the report compares the plan with what the
+tracer measured.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import GPT, GPTConfig
+from model import GPT, Block, GPTConfig
 
 DEFAULT_DATA: Final = Path(__file__).resolve().parent / "data" / "public_domain.txt"
 MIB: Final = 1024 * 1024
@@ -280,6 +288,8 @@ class Report:
     memory: list[dict[str, Any]]
     evals: list[dict[str, float]] = field(default_factory=list)
     sample: str = ""
+    plan_vs_trace: dict[str, dict[str, int]] = field(default_factory=dict)
+    trace_files: list[str] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -305,6 +315,62 @@ def estimate_loss(
     return out
 
 
+def print_plan(config: GPTConfig, world: int, rank: int) -> Any:
+    """The planner's prediction for exactly this setup (a meta-device model, no collectives);
+    rank 0 prints it. Every rank computes it: it is cheap and each compares with its trace."""
+    from shardweave.fsdp.plan import format_table, plan
+
+    predicted = plan(
+        lambda: GPT(config), mesh=world, wrap=Block, optimizer="adamw", backward_prefetch=1
+    )
+    if rank == 0:
+        print(format_table(predicted), file=sys.stderr, flush=True)
+    return predicted
+
+
+def start_tracer(args: argparse.Namespace) -> Any:
+    if args.trace_steps <= 0:
+        return None
+    from shardweave.fsdp import trace
+
+    return trace().start()
+
+
+# Planner fields and the tracer's measurement of the same quantity in the last traced step
+# (step 0 is the warm-up: lazy init runs there).
+PLAN_VS_TRACE: Final = (
+    ("peak gathered param bytes", "peak_gathered_param_bytes", "peak_gathered_bytes"),
+    ("all-gather bytes / step", "all_gather", "all_gather"),
+    ("reduce-scatter bytes / step", "reduce_scatter", "reduce_scatter"),
+)
+
+
+def compare_plan(predicted: Any, tracer: Any) -> dict[str, dict[str, int]]:
+    last = tracer.summary()["steps"][-1]
+    out: dict[str, dict[str, int]] = {}
+    for label, plan_key, trace_key in PLAN_VS_TRACE:
+        if plan_key in predicted.comm_bytes:
+            planned, measured = (
+                predicted.comm_bytes[plan_key],
+                last["collectives"][trace_key]["bytes"],
+            )
+        else:
+            planned, measured = getattr(predicted, plan_key), last[trace_key]
+        out[label] = {"plan": int(planned), "trace": int(measured)}
+    return out
+
+
+def write_trace(tracer: Any, directory: Path) -> list[str]:
+    """This rank's Chrome trace and, with matplotlib installed, its memory plot."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = [str(tracer.export_chrome_trace(directory / "trace-rank{rank}.json"))]
+    try:
+        files.append(str(tracer.plot_memory(directory / "memory-rank{rank}.png")))
+    except ImportError as e:  # the plot is optional: say why it is missing, keep the trace
+        print(f"train_gpt.py: no memory plot ({e})", file=sys.stderr)
+    return files
+
+
 def train(args: argparse.Namespace) -> Report | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -320,6 +386,9 @@ def train(args: argparse.Namespace) -> Report | None:
         n_head=args.n_head,
         n_embd=args.n_embd,
     )
+    predicted = None
+    if args.impl == "shardweave":
+        predicted = print_plan(config, world, rank)
     torch.manual_seed(args.seed)  # same seed on every rank: identical init before sharding
     model = GPT(config)
     num_params = model.num_params()
@@ -339,6 +408,7 @@ def train(args: argparse.Namespace) -> Report | None:
 
     step_ms: list[float] = []
     live = LiveTensorBytes()
+    tracer = start_tracer(args) if predicted is not None else None
     param_bytes = grad_bytes = optim_bytes = 0
     # The last step runs under the live-bytes tracker (its own cost would skew the timing).
     instrumented = args.steps - 1 if args.track_live_bytes else -1
@@ -364,10 +434,18 @@ def train(args: argparse.Namespace) -> Report | None:
             optim_bytes = local_nbytes(optimizer_state_tensors(opt))
         opt.zero_grad(set_to_none=True)
         dt_ms = (time.perf_counter() - t0) * 1e3
+        traced = tracer is not None and tracer.active
+        if traced:
+            assert tracer is not None
+            if step == args.trace_steps:
+                tracer.stop()  # steps 0..trace_steps: the warm-up step and the traced ones
+            else:
+                tracer.step()
         if step == instrumented:
             live.__exit__(None, None, None)
-        # Step 0 pays for lazy init and optimizer-state allocation: not a steady-state step.
-        elif step > 0:
+        # Step 0 pays for lazy init and optimizer-state allocation, and tracing costs time:
+        # neither is a steady-state step.
+        elif step > 0 and not traced:
             step_ms.append(dt_ms)
         progress.update(step, loss.item(), dt_ms)
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
@@ -378,6 +456,14 @@ def train(args: argparse.Namespace) -> Report | None:
             )
     wall_s = time.perf_counter() - t_start
     progress.close()
+    trace_files: list[str] = []
+    plan_vs_trace: dict[str, dict[str, int]] = {}
+    if tracer is not None:
+        if tracer.active:
+            tracer.stop()
+        trace_files = write_trace(tracer, args.trace_dir)
+        if predicted is not None:
+            plan_vs_trace = compare_plan(predicted, tracer)
 
     mem = RankMemory(
         rank=rank,
@@ -422,6 +508,8 @@ def train(args: argparse.Namespace) -> Report | None:
         memory=[asdict(m) for m in gathered if m is not None],
         evals=evals,
         sample=sample,
+        plan_vs_trace=plan_vs_trace,
+        trace_files=trace_files,
     )
 
 
@@ -453,6 +541,15 @@ def format_report(r: Report) -> str:
         )
     full = r.num_params * 4 / MIB
     lines.append(f"  (unsharded fp32 parameters: {full:.3f} MiB)")
+    if r.plan_vs_trace:
+        lines.append("plan vs trace (rank 0, last traced step; MiB)")
+        for label, v in r.plan_vs_trace.items():
+            mark = "exact" if v["plan"] == v["trace"] else "differs"
+            lines.append(
+                f"  {label:<28} plan {v['plan'] / MIB:>8.3f}   trace {v['trace'] / MIB:>8.3f}  {mark}"
+            )
+    if r.trace_files:
+        lines.append("trace files (rank 0): " + ", ".join(r.trace_files))
     lines += ["sample (temperature 0.8):", "-" * 72, r.sample, "-" * 72]
     return "\n".join(lines)
 
@@ -480,6 +577,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="track_live_bytes",
         action="store_false",
         help="skip the instrumented step that measures peak live tensor bytes",
+    )
+    p.add_argument(
+        "--trace-steps",
+        type=int,
+        default=3,
+        help="shardweave only: trace steps 1..N (plus the warm-up step 0); 0 turns tracing off",
+    )
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=Path("demo-output"),
+        help="where each rank writes trace-rank{N}.json and memory-rank{N}.png",
     )
     args = p.parse_args(argv)
     if args.steps < 2:

@@ -226,6 +226,17 @@ def test_to_dict_is_json() -> None:
     assert len(data["timeline"]) == len(p.timeline)
 
 
+def test_module_is_callable_as_plan() -> None:
+    """The issue's interface spells the API ``shardweave.fsdp.plan(...)``: the package calls
+    :func:`plan` (same result as the function) and still runs as ``python -m``."""
+    import shardweave.fsdp
+
+    via_module = shardweave.fsdp.plan(TinyGPT, mesh=4, wrap=Block)  # type: ignore[operator]
+    assert via_module.to_dict() == plan(TinyGPT, mesh=4, wrap=Block).to_dict() | {
+        "planner_seconds": via_module.planner_seconds
+    }
+
+
 def test_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     proc = subprocess.run(

@@ -264,6 +264,11 @@ class FSDPTracer:
         self.steps.append(StepRecord(self._step, now))
 
     @property
+    def active(self) -> bool:
+        """Whether this tracer is recording (between ``start()`` and ``stop()``)."""
+        return self._running
+
+    @property
     def num_steps(self) -> int:
         return len(self.steps)
 
@@ -728,11 +733,16 @@ class FSDPTracer:
             ("gathered params", self.gathered_bytes_timeline()),
             ("unsharded grads", self.grad_bytes_timeline()),
         ):
-            ax.step([t / 1e6 for t, _ in series], [b for _, b in series], where="post", label=label)
+            ax.step(
+                [t / 1e6 for t, _ in series],
+                [b / 2**20 for _, b in series],
+                where="post",
+                label=label,
+            )
         for s in self.steps[1:]:
             ax.axvline(s.begin_ns / 1e6, color="grey", linewidth=0.5, linestyle="--")
         ax.set_xlabel("time since trace start (ms)")
-        ax.set_ylabel("bytes alive")
+        ax.set_ylabel("MiB alive")
         ax.set_title(f"FSDP memory, rank {self.rank} ({self.num_steps} steps)")
         ax.legend(loc="upper right")
         fig.tight_layout()

@@ -13,9 +13,14 @@ or code registers one explicitly (which wins over discovery)::
     ALL_GATHER.register("float8", Float8AllGather())
 
 Type-keyed points (``handled_type``) are looked up with ``get_for_type(type(tensor))``, so a
-plugin for a class also covers its subclasses. Torch compatibility first: a tensor subclass
-that already defines torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` is used as-is;
-these points are for types you cannot edit.
+plugin for a class also covers its subclasses.
+
+Which points the engine consults today: only ``PARAM_HANDLING`` (at ``fully_shard``, for each
+DTensor parameter). ``ALL_GATHER``, ``STATE_DICT`` and ``COLLECTIVES`` are declared so that
+plugins can be written, registered and found against a stable Protocol, but the engine does not
+call them yet: a tensor subclass customizes its all-gather through torch's own
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` methods, and collectives are replaced per
+module with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``.
 
 Design note: tensor vocabulary
     *sharded*: this rank's piece of a parameter, what FSDP keeps between steps.
