@@ -255,7 +255,7 @@ def check_collective(
     world = group.size()
     local = torch.tensor(sig, dtype=torch.int64)
     gathered = torch.empty(world * _SIG_LEN, dtype=torch.int64)
-    work = dist.all_gather_into_tensor(gathered, local, group=group, async_op=True)
+    work = dist.all_gather_single(gathered, local, group=group, async_op=True)
     _wait_or_name_missing(work, group, mine)
     rows = gathered.view(world, _SIG_LEN).tolist()
     ranks = dist.get_process_group_ranks(group)
