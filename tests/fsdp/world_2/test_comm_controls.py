@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from shardweave.fsdp import AllGather, ReduceScatter, fully_shard
+from shardweave.fsdp import AllGather, FSDPModule, ReduceScatter, fully_shard
 from tests._dist import WorkerPool, assert_close
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_same_as_torch
@@ -289,3 +289,83 @@ def collectives_with_no_sync(rank: int, world: int) -> None:
 def test_gradient_sync_off_skips_reduce_scatter(world2: WorkerPool) -> None:
     """Oracle: closed form (no reduce-scatter while accumulating, one per group after)."""
     world2.run(collectives_with_no_sync)
+
+
+class FakeSymmMem:
+    """Stands in for ``torch.distributed._symmetric_memory`` on gloo: records what the engine
+    asks of it (no GPU here, so the real module cannot run)."""
+
+    def __init__(self) -> None:
+        self.backends: list[str] = []
+        self.pools: list[torch.device] = []
+        self.rendezvous_calls: list[tuple[int, str]] = []
+
+    def set_backend(self, name: str) -> None:
+        self.backends.append(name)
+
+    def get_mem_pool(self, device: torch.device) -> object:
+        self.pools.append(torch.device(device))
+        return object()
+
+    def rendezvous(self, tensor: torch.Tensor, group: str) -> None:
+        self.rendezvous_calls.append((tensor.numel(), group))
+
+
+def symm_mem_wiring(rank: int, world: int) -> None:
+    import contextlib
+
+    import torch.distributed._symmetric_memory as symm_mem_module
+
+    fake = FakeSymmMem()
+    saved = {n: getattr(symm_mem_module, n) for n in ("set_backend", "get_mem_pool", "rendezvous")}
+    saved_pool = torch.cuda.use_mem_pool
+    for name in saved:
+        setattr(symm_mem_module, name, getattr(fake, name))
+    torch.cuda.use_mem_pool = lambda pool: contextlib.nullcontext()  # type: ignore[assignment, misc]
+    try:
+        model = make_model("mlp")
+        tmodel = copy.deepcopy(model)
+        shard_blocks(model, fully_shard)
+        shard_blocks(tmodel, torch_fully_shard)
+        groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._groups()]
+        for g in groups:
+            # The module-level call refuses CPU; the group-level switch is what it runs on CUDA.
+            g.set_symm_mem("NCCL")
+        assert fake.backends == ["NCCL"] * 2 * len(groups), fake.backends
+        # A group on symmetric memory refuses more than one reduce-scatter input buffer.
+        with pytest.raises(ValueError, match="max_input_buffers"):
+            model.set_reduce_scatter_max_input_buffers(2)  # type: ignore[operator]
+        batch = make_batch("mlp", rank)
+        for m in (model, tmodel):
+            loss_fn("mlp", m(batch), batch).backward()
+        assert_same_as_torch(model, tmodel, "symmetric-memory comms")
+        group_name = groups[0].mesh_info.shard_process_group.group_name  # type: ignore[union-attr]
+        sizes = sorted({n for n, name in fake.rendezvous_calls if name == group_name})
+        expected_ag = sorted(
+            {world * sum(p.padded_sharded_numel for p in g.fsdp_params) for g in groups}
+        )
+        # Every all-gather output and reduce-scatter input (world x shard) and reduce-scatter
+        # output (one shard) was registered, and every buffer came from the pool.
+        assert set(expected_ag) <= set(sizes), (expected_ag, sizes)
+        assert {n // world for n in expected_ag} <= set(sizes), (expected_ag, sizes)
+        assert len(fake.pools) >= len(fake.rendezvous_calls) > 0
+        assert all(d.type == "cpu" for d in fake.pools)
+    finally:
+        for name, fn in saved.items():
+            setattr(symm_mem_module, name, fn)
+        torch.cuda.use_mem_pool = saved_pool  # type: ignore[assignment]
+
+    m = nn.Linear(2, 2)
+    fully_shard(m)
+    with pytest.raises(ValueError, match="backend must be 'NCCL'"):
+        m.set_symm_mem_for_comm("NVSHMEM")  # type: ignore[arg-type]
+    m.set_custom_all_gather(RecordingAllGather())
+    with pytest.raises(AssertionError, match="custom"):
+        m.set_symm_mem_for_comm()
+
+
+def test_symm_mem_wiring(world2: WorkerPool) -> None:
+    """Oracle: torch (bitwise, with symmetric-memory staging swapped in through a stand-in
+    module, since this machine has no GPU) and closed form (each staging buffer registered
+    with the shard group, sized world x shard and shard)."""
+    world2.run(symm_mem_wiring)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ __all__ = [
     "DefaultReduceScatter",
     "ProcessGroupAllocAllGather",
     "ProcessGroupAllocReduceScatter",
+    "SymmMemAllGather",
+    "SymmMemReduceScatter",
     "all_gather_copy_in",
     "all_gather_copy_out",
     "foreach_reduce",
@@ -63,6 +65,35 @@ class _GroupAllocate:
         return torch.empty(size, dtype=dtype, device=device)
 
 
+class _SymmMemAllocate:
+    """Staging buffers in symmetric memory (CUDA with NCCL): every peer can address them, so
+    NCCL may pick its copy-engine or symmetric-kernel collectives. They come from the
+    symmetric-memory pool, so a step reuses the segments registered by the previous one
+    instead of registering new ones."""
+
+    def __init__(self, group: dist.ProcessGroup, backend: Literal["NCCL"] = "NCCL") -> None:
+        # Imported here: the module needs a CUDA-enabled build to be useful, and CPU-only users
+        # never construct this class.
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self._symm_mem = symm_mem
+        self._group = group
+        symm_mem.set_backend(backend)
+        # The first rendezvous needs the group's communicator to exist; a barrier creates it
+        # once, at setup, instead of inside the first all-gather.
+        dist.barrier(group=group)
+
+    def allocate(
+        self, size: tuple[int, ...] | torch.Size, *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        pool = self._symm_mem.get_mem_pool(device)
+        with torch.cuda.use_mem_pool(pool):
+            return torch.empty(size, dtype=dtype, device=device)
+
+    def _rendezvous(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self._symm_mem.rendezvous(tensor, group=group.group_name)
+
+
 class _AllGatherSingle(AllGather):
     def __call__(
         self,
@@ -88,6 +119,39 @@ class _ReduceScatterSingle(ReduceScatter):
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )
         return cast("dist.Work | None", work)
+
+
+class SymmMemAllGather(_SymmMemAllocate, _AllGatherSingle):
+    """``all_gather_single`` into a symmetric-memory output buffer (``set_symm_mem_for_comm``).
+
+    The all-gather is in place (each rank's input is its slice of the output), so only the
+    output is exchanged with the peers."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self._rendezvous(output_tensor, group)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class SymmMemReduceScatter(_SymmMemAllocate, _ReduceScatterSingle):
+    """``reduce_scatter_single`` with input and output in symmetric memory."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: ReduceOpLike,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self._rendezvous(input_tensor, group)
+        self._rendezvous(output_tensor, group)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 class DefaultAllGather(_EmptyAllocate, _AllGatherSingle):

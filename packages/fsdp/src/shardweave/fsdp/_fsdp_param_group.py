@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ from shardweave.fsdp._fsdp_collectives import (
     DefaultReduceScatter,
     ProcessGroupAllocAllGather,
     ProcessGroupAllocReduceScatter,
+    SymmMemAllGather,
+    SymmMemReduceScatter,
     all_gather_copy_in,
     all_gather_copy_out,
     foreach_reduce,
@@ -163,6 +165,40 @@ class FSDPParamGroup:
         else:
             self._all_gather_comm = DefaultAllGather()
             self._reduce_scatter_comm = DefaultReduceScatter()
+
+    def set_symm_mem(self, backend: Literal["NCCL"]) -> None:
+        """Stage all-gathers and reduce-scatters in symmetric memory (CUDA with NCCL)."""
+        for comm, allowed in (
+            (self._all_gather_comm, (DefaultAllGather, SymmMemAllGather)),
+            (self._reduce_scatter_comm, (DefaultReduceScatter, SymmMemReduceScatter)),
+        ):
+            if type(comm) not in allowed:
+                raise AssertionError(
+                    f"cannot call set_symm_mem_for_comm() when the comm is custom: "
+                    f"{type(comm).__name__}"
+                )
+        self.validate_symm_mem_buffers(self.reduce_scatter_max_input_buffers, symm_mem=True)
+        info = self.mesh_info
+        if not isinstance(info, FSDPMeshInfo):
+            return  # replicate-only groups never all-gather or reduce-scatter
+        rs_group = info.reduce_scatter_process_group or info.shard_process_group
+        self._all_gather_comm = SymmMemAllGather(info.shard_process_group, backend)
+        self._reduce_scatter_comm = SymmMemReduceScatter(rs_group, backend)
+
+    def validate_symm_mem_buffers(self, max_input_buffers: int, *, symm_mem: bool) -> None:
+        # The symmetric-memory pool hands back one segment per size, so keeping several
+        # reduce-scatter inputs alive would register one symmetric segment each.
+        if symm_mem and max_input_buffers > 1:
+            raise ValueError(
+                f"group '{self._fqn}': set_reduce_scatter_max_input_buffers({max_input_buffers}) "
+                "cannot be combined with set_symm_mem_for_comm(): symmetric memory keeps one "
+                "reduce-scatter input buffer; keep max_input_buffers=1 or drop "
+                "set_symm_mem_for_comm()"
+            )
+
+    @property
+    def uses_symm_mem(self) -> bool:
+        return isinstance(self._reduce_scatter_comm, SymmMemReduceScatter)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool, cache: dict[tuple[int, ...], dist.ProcessGroup]

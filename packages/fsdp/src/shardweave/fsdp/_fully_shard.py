@@ -7,7 +7,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from shardweave.fsdp._fsdp_api import (
     OffloadPolicy,
     ReduceScatter,
 )
-from shardweave.fsdp._fsdp_collectives import DefaultAllGather
+from shardweave.fsdp._fsdp_collectives import DefaultAllGather, SymmMemAllGather
 from shardweave.fsdp._fsdp_init import (
     managed_modules,
     managed_params_and_buffers,
@@ -567,7 +567,10 @@ class FSDPModule:
                 f"{max_input_buffers}; pass 1 (the default) or more to let reduce-scatters "
                 "overlap"
             )
-        for group in self._groups(recurse):
+        groups = self._groups(recurse)
+        for group in groups:
+            group.validate_symm_mem_buffers(max_input_buffers, symm_mem=group.uses_symm_mem)
+        for group in groups:
             group.reduce_scatter_max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(
@@ -590,24 +593,42 @@ class FSDPModule:
         for group in self._groups():
             group.set_allocate_memory_from_process_group(enable)
 
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Symmetric-memory all-gather buffers (CUDA + NCCL only).
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Stage this module's all-gathers and reduce-scatters in symmetric memory.
 
-        Differences from torch: not implemented yet; raises ``RuntimeError`` on every backend
-        (torch raises ``RuntimeError`` from its symmetric-memory backend on CPU too).
+        CUDA with NCCL only: with symmetric buffers NCCL can use its copy-engine all-gather
+        (one node, NCCL's zero-CTA policy, e.g. ``NCCL_CTA_POLICY=2``) or its symmetric
+        kernels (several nodes), which leave the SMs to compute. Applies to this module's own
+        groups, not its children. Cannot be combined with ``set_custom_all_gather`` /
+        ``set_custom_reduce_scatter`` (``AssertionError``, as torch) or with
+        ``set_reduce_scatter_max_input_buffers(>1)`` (``ValueError``). Off CUDA it raises
+        ``RuntimeError``, as torch's symmetric-memory backend does. Setup runs a barrier on
+        each group's process groups, so call it on every rank.
+
+        Not yet run on a GPU: the CPU tests check the wiring (buffers from the pool, the
+        rendezvous of each staging buffer) with a stand-in symmetric-memory module.
         """
-        for group in self._groups():
-            if type(group._all_gather_comm) is not DefaultAllGather:
+        if backend != "NCCL":
+            raise ValueError(
+                f"set_symm_mem_for_comm: backend must be 'NCCL' (the only symmetric-memory "
+                f"backend FSDP supports), got {backend!r}"
+            )
+        groups = self._groups()
+        for group in groups:
+            if type(group._all_gather_comm) not in (DefaultAllGather, SymmMemAllGather):
                 raise AssertionError(
                     "cannot call set_symm_mem_for_comm() when all gather comm is custom: "
                     f"{type(group._all_gather_comm).__name__}"
                 )
-        raise RuntimeError(
-            f"set_symm_mem_for_comm(backend={backend!r}) needs CUDA with NCCL symmetric memory; "
-            f"this module's mesh is on '{self._get_fsdp_state()._device.type}', and shardweave "
-            "does not implement symmetric-memory collectives yet; remove the "
-            "set_symm_mem_for_comm call to keep the default collectives"
-        )
+        device = self._get_fsdp_state()._device
+        if device.type != "cuda" or not dist.is_nccl_available():
+            raise RuntimeError(
+                f"set_symm_mem_for_comm(backend={backend!r}) needs CUDA with NCCL symmetric "
+                f"memory, but this module's parameters are on '{device.type}'; remove the "
+                "set_symm_mem_for_comm call to keep the default collectives"
+            )
+        for group in groups:
+            group.set_symm_mem(backend)
 
     def set_collective_checks(self, enable: bool, *, stall_timeout: float | None = None) -> None:
         """Check every collective against the peers' before issuing it (shardweave only).
