@@ -295,12 +295,21 @@ def count_collectives() -> Iterator[Counter[str]]:
         for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")
     }
 
+    # The tensor each call sends: the input of all-gather / reduce-scatter (second
+    # positional, or by keyword), the tensor of all-reduce (first).
+    sent = {
+        "all_gather_single": (1, "input_tensor"),
+        "reduce_scatter_single": (1, "input"),
+        "all_reduce": (0, "tensor"),
+    }
+
     def wrap(name: str, fn: Any) -> Any:
+        position, keyword = sent[name]
+
         def counted(*args: Any, **kwargs: Any) -> Any:
+            tensor = args[position] if len(args) > position else kwargs[keyword]
             counts[name] += 1
-            counts[f"{name}_bytes"] += (
-                args[1].numel() * args[1].element_size() if name != "all_reduce" else 0
-            )
+            counts[f"{name}_bytes"] += tensor.numel() * tensor.element_size()
             return fn(*args, **kwargs)
 
         return counted

@@ -95,6 +95,7 @@ def collectives_per_step(rank: int, world: int) -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert len(traced) == counts["all_reduce"], (traced, dict(counts))
     assert sum(c.nbytes for c in traced) == grad_bytes, (traced, grad_bytes)
+    assert counts["all_reduce_bytes"] == grad_bytes, (dict(counts), grad_bytes)
     assert all(c.complete_ns is not None for c in traced), traced
     # Gradients travel in DDP-sized buckets (see shardweave.fsdp._grad_buckets): groups are
     # packed in backward order into a bucket until it holds FIRST_BUCKET_BYTES (then
