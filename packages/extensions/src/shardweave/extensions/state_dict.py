@@ -262,6 +262,14 @@ class DTensorStateDictTransform:
     That is wrong for 2-D TP/EP parameters and for ``dp_mesh_dims`` SPMD meshes, so register
     it yourself (``STATE_DICT.register("dtensor", DTensorStateDictTransform())``) only for
     models with one TP mesh dim.
+
+    Example::
+
+        transform = DTensorStateDictTransform()
+        param = block.w1.weight  # (_StridedShard(dim=0, sf=4), Shard(dim=0)) on (dp, tp)
+        sharded = transform.chunk(tp_weight, param.device_mesh, param.placements)  # local
+        back = transform.gather(sharded)  # a collective over the (dp, tp) mesh
+        assert torch.equal(back.full_tensor(), tp_weight.full_tensor())
     """
 
     handled_type: type = DTensor

@@ -50,7 +50,19 @@ class _TPTemplate:
 
 
 class DTensorParamHandler:
-    """Shards tensor-parallel DTensor parameters on the data-parallel mesh."""
+    """Shards tensor-parallel DTensor parameters on the data-parallel mesh.
+
+    Installing ``shardweave-extensions`` registers it (entry point ``dtensor``), so nothing
+    needs to be called. Each rank then keeps ``1/(dp*tp)`` of a TP-sharded parameter and
+    all-gathers only over the data-parallel group.
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])  # finds this handler for the DTensor parameters
+        block.w1.weight.placements  # (_StridedShard(dim=0, sf=4), Shard(dim=0))
+    """
 
     handled_type: type = DTensor
 

@@ -30,7 +30,22 @@ SKIP_ENV = "SHARDWEAVE_SKIP_CONSISTENCY_CHECK"
 
 
 class FSDPConsistencyError(RuntimeError):
-    """Ranks disagree about the modules, parameters or policies they manage."""
+    """Ranks disagree about the modules, parameters or policies they manage.
+
+    Raised on every rank at the root's first forward, naming the first difference. The
+    check costs one small all-gather per data-parallel process group, once;
+    ``SHARDWEAVE_SKIP_CONSISTENCY_CHECK=1`` skips it, but then a mismatch hangs instead, and
+    peers are no longer told of a rank's failure (``PeerFailureError``).
+
+    Example::
+
+        fully_shard(model)
+        try:
+            model(batch)  # the first forward compares every rank's groups and policies
+        except FSDPConsistencyError as e:
+            print(e)  # e.g. "rank 0: param 'w': shape=(8, 4) ... rank 1: ... shape=(8, 5)"
+            raise
+    """
 
 
 def describe_groups(groups: Sequence[FSDPParamGroup], mp_repr: str, api: str) -> list[str]:

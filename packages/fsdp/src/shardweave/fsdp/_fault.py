@@ -56,11 +56,39 @@ _SIG_LEN = 6
 
 
 class PeerFailureError(RuntimeError):
-    """Another rank raised while this rank waited for it in a collective."""
+    """Another rank raised while this rank waited for it in a collective.
+
+    The message names the failed rank, its error and the collective this rank was in. The
+    process group cannot be used again after an abandoned collective.
+
+    Example::
+
+        try:
+            with failure_guard():
+                model(batch).sum().backward()
+        except PeerFailureError as e:
+            print(e)  # "rank 3 raised ValueError: ...; this rank (0) was waiting for it in ..."
+            dist.destroy_process_group()
+            raise
+    """
 
 
 class CollectiveMismatchError(FSDPConsistencyError):
-    """Ranks were about to issue collectives that do not match (collective checks)."""
+    """Ranks were about to issue collectives that do not match (collective checks).
+
+    Only raised with checks on, which cost one small all-gather before every collective:
+    turn them on to find why a job hangs, not for production runs. A subclass of
+    ``FSDPConsistencyError``, so one ``except`` catches both.
+
+    Example::
+
+        model.set_collective_checks(True)  # or SHARDWEAVE_CHECK_COLLECTIVES=1
+        try:
+            model(batch).sum().backward()
+        except CollectiveMismatchError as e:
+            print(e)  # which rank is at which group, step and collective
+            raise
+    """
 
 
 class _FaultState:
@@ -143,7 +171,22 @@ def publish_failure(exc: BaseException, where: str = "") -> None:
 @contextlib.contextmanager
 def failure_guard() -> Iterator[None]:
     """Publish any exception raised inside (then re-raise it), so peers waiting in a
-    collective raise ``PeerFailureError`` within a second instead of hanging."""
+    collective raise ``PeerFailureError`` within a second instead of hanging.
+
+    Exceptions escaping the root's forward are published without it; wrap the rest of the
+    step (loss, backward, data that differs per rank). It costs nothing unless something
+    raises, and publishes nothing before the root's first forward or when the consistency
+    check is skipped (``SHARDWEAVE_SKIP_CONSISTENCY_CHECK=1``): there is no failure scope.
+
+    Example::
+
+        for batch in loader:
+            with failure_guard():
+                loss = loss_fn(model(batch), batch["labels"])
+                loss.backward()
+            optim.step()
+            optim.zero_grad()
+    """
     try:
         yield
     except BaseException as exc:

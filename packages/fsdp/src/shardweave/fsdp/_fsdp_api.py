@@ -67,7 +67,16 @@ class MixedPrecisionPolicy:
 
 @dataclass
 class OffloadPolicy:
-    """No offloading; the base class of offload policies."""
+    """No offloading; the base class of offload policies.
+
+    The default: shards, gradients and optimizer state stay on the device, the fastest choice
+    and the one with the most device memory per rank.
+
+    Example::
+
+        fully_shard(model, offload_policy=OffloadPolicy())  # same as leaving it out
+        assert isinstance(CPUOffloadPolicy(), OffloadPolicy)  # either fits offload_policy=
+    """
 
 
 @dataclass
@@ -80,13 +89,38 @@ class CPUOffloadPolicy(OffloadPolicy):
     Args:
         pin_memory: pin the CPU shards so host/device copies can run asynchronously (needs an
             accelerator).
+
+    Not worth it when the model fits on the device: every step then pays the copies for no
+    memory it needs.
+
+    Example::
+
+        policy = CPUOffloadPolicy()  # CPUOffloadPolicy(pin_memory=False) with no accelerator
+        for block in model.layers:
+            fully_shard(block, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+        optim = torch.optim.AdamW(model.parameters())  # steps on the CPU shards
     """
 
     pin_memory: bool = True
 
 
 class Comm(ABC):
-    """How a collective allocates its staging buffer."""
+    """How a collective allocates its staging buffer.
+
+    The base of ``AllGather`` and ``ReduceScatter``. The engine stages the all-gather output
+    and the reduce-scatter input and output through ``allocate``, several times per step, so
+    keep it cheap: ``torch.empty`` on the caching allocator is the usual answer.
+
+    Example::
+
+        class PlainBuffers(Comm):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(size, dtype=dtype, device=device)
+
+        class MyAllGather(PlainBuffers, AllGather):  # __call__ as in AllGather's example
+            ...
+    """
 
     @abstractmethod
     def allocate(
@@ -100,7 +134,25 @@ class Comm(ABC):
 
 
 class AllGather(Comm):
-    """A user-provided all-gather (``FSDPModule.set_custom_all_gather``)."""
+    """A user-provided all-gather (``FSDPModule.set_custom_all_gather``).
+
+    The engine calls it with keywords and ``async_op=True``, and waits on the returned
+    ``Work``. The comm owns its buffers: once one is set, ``set_symm_mem_for_comm`` and
+    ``set_allocate_memory_from_process_group_for_comm`` raise ``AssertionError``.
+
+    Example::
+
+        class MyAllGather(AllGather):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                return dist.all_gather_single(
+                    output_tensor, input_tensor, group=group, async_op=async_op
+                )
+
+        model.layers[0].set_custom_all_gather(MyAllGather())
+    """
 
     @abstractmethod
     def __call__(
@@ -114,7 +166,24 @@ class AllGather(Comm):
 
 
 class ReduceScatter(Comm):
-    """A user-provided reduce-scatter (``FSDPModule.set_custom_reduce_scatter``)."""
+    """A user-provided reduce-scatter (``FSDPModule.set_custom_reduce_scatter``).
+
+    Called like ``AllGather`` (keywords, ``async_op=True``), plus the reduction ``op``; as
+    there, it rules out ``set_symm_mem_for_comm`` and process-group allocation.
+
+    Example::
+
+        class MyReduceScatter(ReduceScatter):
+            def allocate(self, size, *, dtype, device):
+                return torch.empty(size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                return dist.reduce_scatter_single(
+                    output_tensor, input_tensor, op=op, group=group, async_op=async_op
+                )
+
+        model.layers[0].set_custom_reduce_scatter(MyReduceScatter())
+    """
 
     @abstractmethod
     def __call__(

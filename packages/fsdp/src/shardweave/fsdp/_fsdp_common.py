@@ -55,7 +55,22 @@ class ShardedState(Enum):
 
 @dataclasses.dataclass
 class ShardPlacementResult:
-    """What ``shard_placement_fn`` may return to put a parameter on another mesh (e.g. experts)."""
+    """What ``shard_placement_fn`` may return to put a parameter on another mesh (e.g. experts).
+
+    Each distinct mesh becomes its own parameter group of the module: one more all-gather and
+    reduce-scatter per step, each over the smaller mesh. Return the same ``FSDPMeshInfo``
+    object for every parameter of one mesh.
+
+    Example::
+
+        ep_mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("ep", "efsdp"))
+        expert_info = FSDPMeshInfo(ep_mesh["efsdp"], shard_mesh_dim=0)
+
+        def placement(param):  # stacked expert weights are 3-D
+            return ShardPlacementResult(Shard(1), expert_info) if param.ndim == 3 else None
+
+        fully_shard(moe_layer, shard_placement_fn=placement)
+    """
 
     placement: Shard | None
     mesh_info: FSDPMeshInfo

@@ -45,7 +45,15 @@ __all__ = [
 
 
 class IncompatibleKeys(NamedTuple):
-    """What ``set_full_state_dict(strict=False)`` skipped (the fields of ``load_state_dict``'s)."""
+    """What ``set_full_state_dict(strict=False)`` skipped (the fields of ``load_state_dict``'s).
+
+    Example::
+
+        result = set_full_state_dict(model, full, strict=False)
+        if result.missing_keys:  # these entries keep their current values
+            print("not in the checkpoint:", result.missing_keys)
+        missing, unexpected = result  # a NamedTuple, as load_state_dict returns
+    """
 
     missing_keys: list[str]
     unexpected_keys: list[str]

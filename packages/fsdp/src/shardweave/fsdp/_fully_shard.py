@@ -326,7 +326,19 @@ def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
 
 
 class UnshardHandle:
-    """Waits on an asynchronous ``FSDPModule.unshard(async_op=True)``."""
+    """Waits on an asynchronous ``FSDPModule.unshard(async_op=True)``.
+
+    Unsharding early hides the all-gather behind other work, but the gathered parameters
+    stay in memory from then until the module reshards.
+
+    Example::
+
+        def forward(self, x):  # the root's forward
+            handle = self.layers[1].unshard(async_op=True)  # gather while layer 0 computes
+            h = self.layers[0](x)
+            handle.wait()  # optional: layer 1's forward would wait anyway
+            return self.layers[1](h)
+    """
 
     def __init__(self, groups: Iterable[FSDPParamGroup] = ()) -> None:
         self._groups: list[FSDPParamGroup] | None = list(groups)
@@ -341,7 +353,22 @@ class UnshardHandle:
 
 
 class FSDPModule:
-    """Mixed into every module ``fully_shard`` was applied to (placed first in its MRO)."""
+    """Mixed into every module ``fully_shard`` was applied to (placed first in its MRO).
+
+    Its methods tune communication and memory per module, e.g. skipping gradient
+    synchronization while accumulating saves a reduce-scatter per microbatch but keeps the
+    unsharded gradients alive until the synchronized backward.
+
+    Example::
+
+        model = fully_shard(model)  # the same object, its class now also an FSDPModule
+        assert isinstance(model, FSDPModule)
+        model.set_requires_gradient_sync(False)
+        for micro in microbatches[:-1]:
+            model(micro).sum().backward()
+        model.set_requires_gradient_sync(True)
+        model(microbatches[-1]).sum().backward()  # reduces the accumulated gradients
+    """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers rebuild themselves with type(self)(...) (e.g. nn.Sequential slicing); that
@@ -713,6 +740,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     A module that is not an ``FSDPModule`` is left alone (as in torch), so this can be called
     unconditionally.
+
+    Example::
+
+        fully_shard(model)
+        register_fsdp_forward_method(model, "generate")
+        tokens = model.generate(prompt)  # parameters are gathered around it, as for forward
     """
     if not isinstance(module, FSDPModule):
         return
@@ -746,7 +779,19 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Make separate roots (pipeline stages on one rank) share one communication context."""
+    """Make separate roots (pipeline stages on one rank) share one communication context.
+
+    The roots then share the order the implicit backward prefetch follows and the gradient
+    buckets; leave roots that run independently with their own.
+
+    Example::
+
+        for stage in (stage0, stage1):  # two pipeline stages on this rank, each a root
+            for block in stage.layers:
+                fully_shard(block)
+            fully_shard(stage)
+        share_comm_ctx([stage0, stage1])
+    """
     _check_fsdp_modules(modules, "share_comm_ctx")
     modules = list(modules)
     if not modules:

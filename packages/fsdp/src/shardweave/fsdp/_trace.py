@@ -89,7 +89,16 @@ _PLOT_INSTALL: Final = "pip install 'shardweave-fsdp[plot]'"
 
 @dataclass(slots=True)
 class CollectiveRecord:
-    """One all-gather, reduce-scatter or all-reduce (see Design note: traced quantities)."""
+    """One all-gather, reduce-scatter or all-reduce (see Design note: traced quantities).
+
+    Example::
+
+        with trace() as tracer:
+            model(batch).sum().backward()
+        for c in tracer.collectives:
+            if c.kind == "all_gather" and c.exposed_ns is not None:
+                print(c.group, c.step, c.nbytes, len(c.ranks), c.exposed_ns / 1e6, "ms exposed")
+    """
 
     kind: str  # one of COLLECTIVE_KINDS
     group: str
@@ -114,7 +123,15 @@ class CollectiveRecord:
 @dataclass(slots=True)
 class SpanRecord:
     """A timed interval: ``category`` is ``hook``, ``copy_in``, ``copy_out``, ``wait`` (an
-    all-gather's exposed wait) or ``unshard``; ``name`` is the hook name or the category."""
+    all-gather's exposed wait) or ``unshard``; ``name`` is the hook name or the category.
+
+    Example::
+
+        hooks = [s for s in tracer.spans if s.category == "hook"]
+        wall_ms = sum(s.end_ns - s.begin_ns for s in hooks) / 1e6
+        cpu_ms = sum(s.cpu_ns or 0 for s in hooks) / 1e6
+        print(f"hooks: {wall_ms:.2f} ms wall, {cpu_ms:.2f} ms CPU")
+    """
 
     category: str
     name: str
@@ -131,6 +148,12 @@ class MemoryRecord:
 
     ``event`` is ``unshard`` (+gathered), ``reshard`` / ``discard`` (-gathered; a reshard from
     the post-forward state frees 0), ``grads_taken`` (+grads) or ``grads_reduced`` (-grads).
+
+    Example::
+
+        peak = max(tracer.memory, key=lambda r: r.gathered_bytes)
+        print(f"{peak.gathered_bytes} B gathered in step {peak.step}, after the "
+              f"{peak.event} of {peak.group!r} at {peak.t_ns / 1e6:.1f} ms")
     """
 
     t_ns: int
@@ -144,6 +167,16 @@ class MemoryRecord:
 
 @dataclass(slots=True)
 class StepRecord:
+    """One traced step: from ``start()`` or a ``step()`` call to the next ``step()`` or
+    ``stop()``; ``end_ns`` is None while the step runs.
+
+    Example::
+
+        for s in tracer.steps:
+            n = sum(c.step == s.index for c in tracer.collectives)
+            print(f"step {s.index}: {(s.end_ns - s.begin_ns) / 1e6:.1f} ms, {n} collectives")
+    """
+
     index: int
     begin_ns: int
     end_ns: int | None = None

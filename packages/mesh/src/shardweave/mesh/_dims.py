@@ -32,6 +32,14 @@ class MeshValidationError(ValueError, AssertionError):
     It is a ``ValueError`` (what a caller validating input expects) and also an
     ``AssertionError``, because torch's FSDP2 raises ``AssertionError`` for some of these
     cases (a 2-D mesh without dim names) and code written against torch catches that.
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2, 4))  # 2-D, but without dim names
+        try:
+            resolve_mesh_info(mesh)
+        except MeshValidationError as e:  # `except ValueError` or `AssertionError` also works
+            print(e)  # asks for mesh_dim_names=("replicate", "shard")
     """
 
 
@@ -41,6 +49,13 @@ class ArgumentTypeError(TypeError, AttributeError):
     It is a ``TypeError`` (what the mistake is) and also an ``AttributeError``, because torch's
     FSDP2 does not check these types and fails on the first missing attribute instead, so code
     written against torch catches that.
+
+    Example::
+
+        try:
+            fully_shard(model, mesh=dist.group.WORLD)  # a process group, not a DeviceMesh
+        except ArgumentTypeError as e:  # `except AttributeError`, as for torch, also works
+            print(e)  # suggests DeviceMesh.from_group(group, device_type)
     """
 
 
@@ -112,7 +127,14 @@ def default_mesh(mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
     """A 1-D mesh over the default process group on the accelerator (CPU when there is none).
 
     Initializes the default process group from the environment (``env://``) if needed, as
-    torch's ``fully_shard`` does when called without a mesh.
+    torch's ``fully_shard`` does when called without a mesh. It always has one dim over every
+    rank, so for HSDP or tensor parallelism build the mesh with ``init_device_mesh`` instead.
+
+    Example::
+
+        mesh = default_mesh()  # under torchrun; what fully_shard(model) uses
+        assert mesh.size() == dist.get_world_size()
+        replicate_mesh = default_mesh(mesh_dim_names=("replicate",))  # replicate()'s default
     """
     if not dist.is_initialized():
         dist.init_process_group()
@@ -121,7 +143,17 @@ def default_mesh(mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device a mesh implies: ``cpu``, or its device type at the current device index."""
+    """The device a mesh implies: ``cpu``, or its device type at the current device index.
+
+    ``fully_shard`` moves parameters and buffers there, so set the current device (e.g.
+    ``torch.cuda.set_device(local_rank)``) before calling it.
+
+    Example::
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        mesh_device(init_device_mesh("cuda", (8,)))  # device(type='cuda', index=LOCAL_RANK)
+        mesh_device(init_device_mesh("cpu", (8,)))  # device(type='cpu')
+    """
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type, None)
@@ -172,13 +204,22 @@ def resolve_mesh_info(
     shard)`` (``HSDPMeshInfo``). With ``dp_mesh_dims``, ``mesh`` is a full SPMD mesh and only
     the named dims are data parallel: shard only gives ``FSDPMeshInfo``, replicate only
     ``DDPMeshInfo``, both ``HSDPMeshInfo``; several names for one role are flattened into one
-    dim (a new process group, so every rank must make the same call).
+    dim (a new process group, so every rank must make the same call). Flattening costs a
+    process-group creation each time: resolve once and reuse the mesh info.
 
     Raises:
         MeshValidationError: the mesh has the wrong number of dims, lacks dim names where they
             are needed, or ``dp_mesh_dims`` names an unknown dim or one dim in both roles.
         ArgumentTypeError: ``mesh`` is not a ``DeviceMesh`` or ``dp_mesh_dims`` is not a
             ``DataParallelMeshDims``.
+
+    Example::
+
+        resolve_mesh_info(init_device_mesh("cuda", (8,)))  # FSDPMeshInfo over the only dim
+        mesh = init_device_mesh("cuda", (2, 4, 8), mesh_dim_names=("dp_rep", "dp_shard", "tp"))
+        info = resolve_mesh_info(mesh, DataParallelMeshDims(shard="dp_shard", replicate="dp_rep"))
+        assert isinstance(info, HSDPMeshInfo) and info.is_spmd_mesh
+        info.shard_mesh_size, info.replicate_mesh_size  # (4, 2); the "tp" dim is left to DTensor
     """
     check_mesh_argument(mesh, api)
     _check_dims_argument(dp_mesh_dims, api)

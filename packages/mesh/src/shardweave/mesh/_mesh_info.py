@@ -28,7 +28,19 @@ __all__ = ["DDPMeshInfo", "DataParallelMeshInfo", "FSDPMeshInfo", "HSDPMeshInfo"
 
 @dataclass
 class DataParallelMeshInfo:
-    """The data-parallel view of a mesh: which of its dims shard and which replicate."""
+    """The data-parallel view of a mesh: which of its dims shard and which replicate.
+
+    The engine and the ``ParamHandler`` plugins receive one of the three subclasses below;
+    test which with ``isinstance`` (an ``HSDPMeshInfo`` is both an ``FSDPMeshInfo`` and a
+    ``DDPMeshInfo``).
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))
+        info = resolve_mesh_info(mesh)  # an HSDPMeshInfo
+        info.shard_mesh_dim, info.replicate_mesh_dim  # (1, 0)
+        info.is_spmd_mesh  # False: no dp_mesh_dims, so `mesh` is all data parallel
+    """
 
     mesh: DeviceMesh
     shard_mesh_dim: int | None = None
@@ -49,7 +61,19 @@ class DataParallelMeshInfo:
 
 @dataclass
 class FSDPMeshInfo(DataParallelMeshInfo):
-    """Parameters sharded over ``mesh[shard_mesh_dim]``."""
+    """Parameters sharded over ``mesh[shard_mesh_dim]``.
+
+    Each rank keeps ``1/shard_mesh_size`` of every parameter (the least memory of the three
+    layouts) and pays an all-gather per unshard and a reduce-scatter per backward over
+    ``shard_process_group``. ``resolve_mesh_info`` builds it for a 1-D mesh; build one
+    yourself to put some parameters on another mesh (``ShardPlacementResult``).
+
+    Example::
+
+        info = FSDPMeshInfo(init_device_mesh("cuda", (8,)), shard_mesh_dim=0)
+        info.shard_mesh_size, info.shard_mesh_rank  # (8, this rank's index in the mesh)
+        info.shard_process_group  # the group of its all-gathers and reduce-scatters
+    """
 
     shard_mesh_size: int = field(default=0, init=False)
     shard_mesh_rank: int = field(default=0, init=False)
@@ -71,7 +95,17 @@ class FSDPMeshInfo(DataParallelMeshInfo):
 
 @dataclass
 class DDPMeshInfo(DataParallelMeshInfo):
-    """Parameters replicated over ``mesh[replicate_mesh_dim]``."""
+    """Parameters replicated over ``mesh[replicate_mesh_dim]``.
+
+    Every rank holds whole parameters (the most memory) and gradients are all-reduced over
+    ``replicate_process_group``; no all-gathers run. ``replicate()`` uses this layout.
+
+    Example::
+
+        info = DDPMeshInfo(init_device_mesh("cuda", (8,)), replicate_mesh_dim=0)
+        info.replicate_mesh_size, info.replicate_mesh_rank  # (8, this rank's index)
+        dist.all_reduce(grad, group=info.replicate_process_group)
+    """
 
     replicate_mesh_size: int = field(default=0, init=False)
     replicate_mesh_rank: int = field(default=0, init=False)
@@ -88,7 +122,19 @@ class DDPMeshInfo(DataParallelMeshInfo):
 
 @dataclass
 class HSDPMeshInfo(FSDPMeshInfo, DDPMeshInfo):
-    """Sharded over the shard dim and replicated over the replicate dim (hybrid sharding)."""
+    """Sharded over the shard dim and replicated over the replicate dim (hybrid sharding).
+
+    All-gathers and reduce-scatters stay within a shard group (e.g. one node), at the cost of
+    ``replicate_mesh_size`` times the parameter memory of plain FSDP over every rank, plus an
+    all-reduce of the sharded gradients across replicas.
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))
+        info = resolve_mesh_info(mesh)  # HSDPMeshInfo(shard_mesh_dim=1, replicate_mesh_dim=0)
+        info.shard_mesh_size, info.replicate_mesh_size  # (4, 2)
+        assert isinstance(info, FSDPMeshInfo) and isinstance(info, DDPMeshInfo)
+    """
 
     def __post_init__(self) -> None:
         # MRO: FSDPMeshInfo -> DDPMeshInfo -> DataParallelMeshInfo, each runs once.

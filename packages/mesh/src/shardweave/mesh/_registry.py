@@ -50,6 +50,19 @@ class MissingExtensionError(LookupError):
             followed by the caller's ``what=`` context if any.
         registered: the keys registered at the time of the lookup, sorted.
         install: the distribution that ships the point's default plugins.
+
+    Where a missing plugin is an expected case, ``find_for_type`` returns None instead of
+    raising.
+
+    Example::
+
+        from shardweave.mesh.extension_points import PARAM_HANDLING
+
+        try:
+            handler = PARAM_HANDLING.get_for_type(DTensor, what="parameter 'w1.weight'")
+        except MissingExtensionError as e:
+            print(e.group, e.looked_for, e.registered)  # the facts, for your own message
+            raise SystemExit(f"pip install {e.install}")  # 'shardweave-extensions'
     """
 
     def __init__(
@@ -89,6 +102,16 @@ class ExtensionLoadError(RuntimeError):
         key: the entry-point name.
         value: the entry-point value, e.g. ``"my_plugin:Factory"``.
         distribution: ``"name version"`` of the distribution declaring it (``""`` if unknown).
+
+    Example::
+
+        from shardweave.mesh.extension_points import PARAM_HANDLING
+
+        try:
+            handler = PARAM_HANDLING.get_for_type(DTensor)
+        except ExtensionLoadError as e:
+            print(f"plugin {e.key!r} ({e.value}) from {e.distribution}: {e.__cause__!r}")
+            PARAM_HANDLING.unregister(e.key)  # else every lookup on the point raises
     """
 
     def __init__(
@@ -128,6 +151,18 @@ class RegistrySnapshot(Generic[T]):
     """The state of one ``ExtensionPoint``, taken by ``snapshot()``; restore it to undo changes.
 
     Use it as a context manager (restores on exit) or pass it to ``ExtensionPoint.restore``.
+    Meant for tests: a restore replaces the point's whole state for the process, so
+    registrations made meanwhile (by any thread) are undone too.
+
+    Example::
+
+        from shardweave.mesh.extension_points import ALL_GATHER
+
+        @pytest.fixture
+        def all_gather_point():
+            saved = ALL_GATHER.snapshot()
+            yield ALL_GATHER  # a test may register fakes freely
+            ALL_GATHER.restore(saved)
     """
 
     def __init__(self, point: ExtensionPoint[T], state: _State[T]) -> None:

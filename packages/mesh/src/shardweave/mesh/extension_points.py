@@ -67,6 +67,18 @@ class ParamHandler(Protocol):
     the gathered tensor back into a parameter of the original kind. The built-in handler
     (plain ``torch.Tensor``) returns tensors unchanged and shards on the data-parallel mesh;
     ``shardweave-extensions`` handles DTensor parameters with tensor-parallel placements.
+
+    ``reduce_grad`` runs for every parameter in every backward, so any redistribute it does
+    is a collective per parameter per step; the other methods run once, at ``fully_shard``.
+
+    Example::
+
+        handler = PARAM_HANDLING.get_for_type(type(param))  # a TP DTensor parameter
+        local = handler.local_tensor(param)  # what FSDP chunks on shard_dim
+        template = handler.template(param, mesh_info)
+        mesh, placements = handler.sharded_spec(param, mesh_info, 0)
+        unsharded = handler.unsharded(template, gathered_local)  # after the all-gather
+        to_reduce = handler.reduce_grad(template, unsharded_grad)  # before the reduce-scatter
     """
 
     handled_type: type
@@ -109,7 +121,22 @@ class AllGatherExtension(Protocol):
     """What a tensor subclass contributes to the all-gather, and how it is rebuilt after.
 
     For tensor classes that do not define torch's ``fsdp_pre_all_gather`` /
-    ``fsdp_post_all_gather`` themselves (those are used as-is).
+    ``fsdp_post_all_gather`` themselves (those are used as-is). The engine does not consult
+    this point yet (see the module docstring): to change what is gathered today, give the
+    tensor those two methods, as :func:`shardweave.extensions.all_gather_in_dtype` does.
+
+    Example::
+
+        class BF16AllGather:
+            handled_type = MyTensor  # a torch.Tensor subclass
+
+            def pre_all_gather(self, local, mesh):
+                return (local.to(torch.bfloat16),), None  # half the bytes of fp32
+
+            def post_all_gather(self, outs, meta, dtype):
+                return outs[0].to(dtype)
+
+        ALL_GATHER.register("bf16", BF16AllGather())
     """
 
     handled_type: type
@@ -133,7 +160,21 @@ class AllGatherExtension(Protocol):
 
 @runtime_checkable
 class StateDictTransform(Protocol):
-    """How a tensor of ``handled_type`` is chunked for a sharded state dict and gathered back."""
+    """How a tensor of ``handled_type`` is chunked for a sharded state dict and gathered back.
+
+    ``chunk`` needs no communication; ``gather`` is a collective over the sharded tensor's
+    mesh. The engine does not consult this point yet (see the module docstring); state-dict
+    code of your own can.
+
+    Example::
+
+        def load_full(param, full):  # param: a sharded DTensor parameter
+            transform = STATE_DICT.find_for_type(type(full))
+            mesh, placements = param.device_mesh, param.placements
+            if transform is None:  # a plain tensor: every rank has it, so cut it locally
+                return distribute_tensor(full, mesh, placements, src_data_rank=None)
+            return transform.chunk(full, mesh, placements)
+    """
 
     handled_type: type
     """The tensor class this transform chunks (subclasses included)."""
@@ -162,6 +203,23 @@ class Collectives(Protocol):
 
     Each takes explicit buffers and a process group and never looks at modules. With
     ``async_op=True`` return the ``Work`` to wait on, otherwise None (as c10d does).
+    The engine does not consult this point yet (see the module docstring): to replace one
+    module's collectives today use ``FSDPModule.set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``.
+
+    Example::
+
+        class C10dCollectives:
+            def all_gather_into_tensor(self, output, input, group, *, async_op=False):
+                return dist.all_gather_single(output, input, group=group, async_op=async_op)
+            def reduce_scatter_tensor(self, output, input, group, *, op, async_op=False):
+                return dist.reduce_scatter_single(
+                    output, input, op=op, group=group, async_op=async_op
+                )
+            def all_reduce(self, tensor, group, *, op, async_op=False):
+                return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+        COLLECTIVES.register("cuda", C10dCollectives())
     """
 
     def all_gather_into_tensor(

@@ -52,7 +52,21 @@ class ReplicateState(FSDPState):
 
 class ReplicateModule(FSDPModule):
     """Mixed into every module ``replicate`` was applied to: ``isinstance(m, FSDPModule)``
-    holds and every ``FSDPModule`` method is available."""
+    holds and every ``FSDPModule`` method is available.
+
+    Compared with ``fully_shard``, every rank holds whole parameters (more memory) and no
+    all-gathers run; methods that only make sense for sharded parameters, such as
+    ``set_reshard_after_forward``, raise.
+
+    Example::
+
+        model = replicate(model)
+        assert isinstance(model, ReplicateModule) and isinstance(model, FSDPModule)
+        model.set_requires_gradient_sync(False)  # DDP's no_sync() for accumulation
+        model(micro_0).sum().backward()
+        model.set_requires_gradient_sync(True)
+        model(micro_1).sum().backward()  # one all-reduce of the summed gradients
+    """
 
 
 @overload

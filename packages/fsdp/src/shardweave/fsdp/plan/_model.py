@@ -22,7 +22,17 @@ ROOT_KEY = "<root>"  # the tracer's key for the root module's group (its FQN is 
 
 
 class PlanError(ValueError):
-    """The planned configuration would be rejected by ``fully_shard``."""
+    """The planned configuration would be rejected by ``fully_shard``.
+
+    A ``ValueError``; the CLI prints it and exits with status 2.
+
+    Example::
+
+        try:
+            plan(build_model, mesh=1024, wrap="Block", reshard_after_forward=3)
+        except PlanError as e:
+            print(e)  # 3 does not divide the shard size 1024; lists the sizes that do
+    """
 
 
 @dataclass(frozen=True)

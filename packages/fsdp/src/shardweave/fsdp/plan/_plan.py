@@ -61,6 +61,17 @@ ModelOrFactory = nn.Module | Callable[[], nn.Module]
 
 @dataclass(frozen=True)
 class ParamPlan:
+    """One parameter of a group: its gathered shape, its original dtype's short name, and its
+    elements per rank (the padded shard every rank holds; the real elements on shard rank 0
+    and on the last shard rank).
+
+    Example::
+
+        for pp in p.group("layers.0").params:
+            padding = pp.padded_shard_numel - pp.last_rank_numel  # zeros the last rank holds
+            print(pp.fqn, pp.shape, pp.dtype, pp.requires_grad, padding)
+    """
+
     fqn: str
     shape: tuple[int, ...]  # gathered shape (the TP-local shape under tensor parallelism)
     dtype: str
@@ -72,7 +83,16 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """One group's per-rank bytes and per-step traffic. ``key`` is the tracer's group key."""
+    """One group's per-rank bytes and per-step traffic. ``key`` is the tracer's group key.
+
+    Example::
+
+        p = plan(build_model, mesh=64, wrap="Block")
+        g = p.group("layers.0")  # the root's key is "<root>"
+        print(g.gathered_bytes, g.all_gathers_per_step, g.reduce_scatter_bytes)
+        biggest = max(p.groups, key=lambda g: g.gathered_bytes)
+        assert biggest.key == p.largest_group
+    """
 
     key: str
     module_type: str
@@ -107,6 +127,16 @@ class Plan:
     Memory on every rank is the same except optimizer state: the engine keeps padded shards
     (and padded sharded gradients) on every rank, while optimizer state follows the real shard,
     which is largest on shard rank 0; ``ranks`` gives rank 0 and the last shard rank.
+    Activations and communication staging buffers are not included: budget them separately.
+
+    Example::
+
+        p = plan(build_model, mesh="8x128", wrap="TransformerBlock", mp_policy="bf16")
+        print(p.peak_tensor_bytes / 2**30, "GiB per rank before activations")
+        print(p.comm_bytes["all_gather"], p.collectives["all_gather"])  # per step
+        for hint in p.suggestions:  # regrouping hints, most important first
+            print(hint)
+        Path("plan.json").write_text(json.dumps(p.to_dict(params=False), default=str))
     """
 
     inputs: dict[str, object]

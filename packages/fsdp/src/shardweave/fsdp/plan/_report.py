@@ -126,7 +126,14 @@ def _row(g: GroupPlan) -> tuple[object, ...]:
 
 
 def format_table(plan: Plan) -> str:
-    """The report printed by the CLI."""
+    """The report printed by the CLI.
+
+    Example::
+
+        from shardweave.fsdp.plan import format_table, plan
+
+        print(format_table(plan(build_model, mesh="8x128", wrap="TransformerBlock")))
+    """
     mesh = "x".join(str(d) for d in plan.inputs["mesh"])  # type: ignore[attr-defined]
     kind = "HSDP (replicate x shard)" if plan.replicate_size > 1 else "FSDP"
     dtypes = plan.inputs["mp_policy"]

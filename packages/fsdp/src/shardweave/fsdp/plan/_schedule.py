@@ -59,7 +59,15 @@ class GroupTraffic:
 
 @dataclass(frozen=True)
 class TimelineRecord:
-    """One change of the counters, with totals after it (event names as the tracer's)."""
+    """One change of the counters, with totals after it (event names as the tracer's).
+
+    Example::
+
+        p = plan(build_model, mesh=8, wrap="Block")
+        peak = max(p.timeline, key=lambda r: r.dynamic_bytes)
+        print(peak.phase, peak.event, peak.group, peak.dynamic_bytes)
+        backward = [r for r in p.timeline if r.phase == "backward"]
+    """
 
     phase: str  # "forward" | "backward" | "final_callback"
     group: str
