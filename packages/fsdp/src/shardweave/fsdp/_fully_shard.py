@@ -177,17 +177,14 @@ def fully_shard(
         if isinstance(mesh_info, FSDPMeshInfo)
         else None
     )
-    ignored = set(ignored_params or ())
-    roots = root_modules(modules)
-    managed = managed_modules(roots, ignored)
-    params, buffers = managed_params_and_buffers(managed, ignored)
-    move_states_to_device(params, buffers, device)
-    placements: list[tuple[Any, DataParallelMeshInfo]] = [(None, mesh_info)] * len(params)
-    if isinstance(mesh_info, FSDPMeshInfo):
-        placements = list(resolve_shard_placements(params, shard_placement_fn, mesh_info))
-    state = FSDPState(roots, device, mp_policy, mesh_info, auto_reshard)
-    try:
-        state._fsdp_param_groups = _build_groups(
+
+    def make_groups(
+        params: list[nn.Parameter], roots: tuple[nn.Module, ...]
+    ) -> list[FSDPParamGroup]:
+        placements: list[tuple[Any, DataParallelMeshInfo]] = [(None, mesh_info)] * len(params)
+        if isinstance(mesh_info, FSDPMeshInfo):
+            placements = list(resolve_shard_placements(params, shard_placement_fn, mesh_info))
+        return _build_groups(
             params,
             placements,
             roots,
@@ -198,17 +195,59 @@ def fully_shard(
             mp_policy,
             offload_policy,
         )
-    except BaseException:
-        state.detach()
-        raise
-    for m in managed:
-        m._is_fsdp_managed_module = True  # type: ignore[assignment]
-        m._fsdp_use_orig_params = True  # type: ignore[assignment]
-    for root in roots:
-        swap_class(root, FSDPModule, "FSDP")
+
+    attach_engine(
+        modules,
+        ignored_params,
+        device,
+        lambda roots: FSDPState(roots, device, mp_policy, mesh_info, auto_reshard),
+        make_groups,
+        FSDPModule,
+        "FSDP",
+        mark_managed=True,
+    )
     if isinstance(module, nn.Module):
         return cast(FSDPModule, module)
     return module
+
+
+def attach_engine(
+    modules: tuple[nn.Module, ...],
+    ignored_params: set[nn.Parameter] | None,
+    device: torch.device,
+    make_state: Callable[[tuple[nn.Module, ...]], FSDPState],
+    make_groups: Callable[[list[nn.Parameter], tuple[nn.Module, ...]], list[FSDPParamGroup]],
+    module_cls: type,
+    prefix: str,
+    *,
+    mark_managed: bool,
+) -> None:
+    """What ``fully_shard`` and ``replicate`` share once their arguments are checked.
+
+    Collects the parameters and buffers of ``modules`` that no inner call manages (less the
+    ignored ones), moves them to ``device``, attaches the state with its groups (detached
+    again if building a group fails, so a failed call leaves the modules as they were) and
+    swaps each root's class to one that also derives from ``module_cls``. ``mark_managed``
+    sets the two attributes torch's ``fully_shard`` puts on managed modules (its ``replicate``
+    does not).
+    """
+    ignored = set(ignored_params or ())
+    roots = root_modules(modules)
+    managed = managed_modules(roots, ignored)
+    params, buffers = managed_params_and_buffers(managed, ignored)
+    move_states_to_device(params, buffers, device)
+    state = make_state(roots)
+    try:
+        state._fsdp_param_groups = make_groups(params, roots)
+    except BaseException:
+        state.detach()
+        raise
+    if mark_managed:
+        for m in managed:
+            m._is_fsdp_managed_module = True  # type: ignore[assignment]
+            m._fsdp_use_orig_params = True  # type: ignore[assignment]
+    for root in roots:
+        swap_class(root, module_cls, prefix)
 
 
 def check_policy_types(mp_policy: object, offload_policy: object, api: str = "fully_shard") -> None:

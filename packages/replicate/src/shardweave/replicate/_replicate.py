@@ -15,16 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from shardweave.fsdp._fsdp_init import (
-    managed_modules,
-    managed_params_and_buffers,
     module_arguments,
-    move_states_to_device,
     validate_ignored_params,
     validate_module,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
-from shardweave.fsdp._fully_shard import check_policy_types, root_modules, swap_class
+from shardweave.fsdp._fully_shard import attach_engine, check_policy_types
 from shardweave.mesh import (
     DataParallelMeshDims,
     DDPMeshInfo,
@@ -160,31 +157,39 @@ def replicate(
             )
         mesh_info = DDPMeshInfo(mesh, replicate_mesh_dim=0)
     device = mesh_device(mesh)
-    ignored = set(ignored_params or ())
-    roots = root_modules(modules)
-    managed = managed_modules(roots, ignored)
-    params, buffers = managed_params_and_buffers(managed, ignored)
-    move_states_to_device(params, buffers, device)
-    state = ReplicateState(roots, device, mp_policy, mesh_info, auto_reshard_after_forward=False)
-    try:
-        if params:
-            state._fsdp_param_groups = [
-                FSDPParamGroup(
-                    params,
-                    roots,
-                    mesh_info,
-                    None,  # parameters stay unsharded between forward and backward
-                    device,
-                    [None] * len(params),
-                    mp_policy,
-                    offload_policy,
-                )
-            ]
-    except BaseException:
-        state.detach()
-        raise
-    for root in roots:
-        swap_class(root, ReplicateModule, "Replicate")
+
+    def make_groups(
+        params: list[nn.Parameter], roots: tuple[nn.Module, ...]
+    ) -> list[FSDPParamGroup]:
+        if not params:
+            return []
+        # One group; parameters stay unsharded between forward and backward (no post-forward
+        # mesh) and every parameter is placed Replicate() on the mesh.
+        return [
+            FSDPParamGroup(
+                params,
+                roots,
+                mesh_info,
+                None,
+                device,
+                [None] * len(params),
+                mp_policy,
+                offload_policy,
+            )
+        ]
+
+    attach_engine(
+        modules,
+        ignored_params,
+        device,
+        lambda roots: ReplicateState(
+            roots, device, mp_policy, mesh_info, auto_reshard_after_forward=False
+        ),
+        make_groups,
+        ReplicateModule,
+        "Replicate",
+        mark_managed=False,
+    )
     if isinstance(module, nn.Module):
         return cast(ReplicateModule, module)
     return module
