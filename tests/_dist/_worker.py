@@ -75,6 +75,7 @@ def worker_main(
 
 
 def _run_body(data: bytes, rank: int, world_size: int) -> tuple[str, Any]:
+    import torch
     import torch.distributed as dist
 
     from tests._dist.seeding import seed_everything
@@ -82,7 +83,11 @@ def _run_body(data: bytes, rank: int, world_size: int) -> tuple[str, Any]:
     try:
         fn, args = pickle.loads(data)
         seed_everything(0)
-        dist.barrier()
+        # All ranks start together. Not dist.barrier(): gloo's barrier first waits on every
+        # work its worker threads still hold and rethrows a failed one without joining, so a
+        # collective an earlier test made fail on purpose could surface here on one rank only
+        # and leave the ranks out of step. An all-reduce waits on nothing earlier.
+        dist.all_reduce(torch.zeros(1))
         return OK, fn(rank, world_size, *args)
     except BaseException:  # SystemExit and KeyboardInterrupt in a body are failures too
         return ERROR, traceback.format_exc()

@@ -46,7 +46,7 @@ class WorkerPool:
 
     Each worker joins the default process group through a ``FileStore`` in a private temporary
     directory (no TCP ports), puts the repository root on ``sys.path`` and runs with one torch
-    thread. Before every body it calls ``seed_everything(0)`` and a barrier; after it, it
+    thread. Before every body it calls ``seed_everything(0)`` and syncs the ranks; after it, it
     restores the default dtype, deterministic-algorithms flag, grad mode and the plugin
     registries. A body failing or timing out kills the workers and starts fresh ones (new store
     file), so the next test starts clean.
