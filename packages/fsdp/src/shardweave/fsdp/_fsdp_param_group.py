@@ -143,52 +143,64 @@ class FSDPParamGroup:
         self._flatten_sharded_storage()
 
     # --- communication controls ---------------------------------------------------------------
-    def set_allocate_memory_from_process_group(self, enable: bool) -> None:
-        for comm, defaults in (
-            (self._all_gather_comm, (DefaultAllGather,)),
-            (self._reduce_scatter_comm, (DefaultReduceScatter,)),
+    def _require_known_comms(
+        self, api: str, all_gather: tuple[type, ...], reduce_scatter: tuple[type, ...]
+    ) -> None:
+        """``api`` replaces both comms, so a custom one set earlier is an error (torch's type)."""
+        for comm, allowed in (
+            (self._all_gather_comm, all_gather),
+            (self._reduce_scatter_comm, reduce_scatter),
         ):
-            if type(comm) not in (
-                *defaults,
-                ProcessGroupAllocAllGather,
-                ProcessGroupAllocReduceScatter,
-            ):
+            if type(comm) not in allowed:
                 raise AssertionError(
-                    "cannot call set_allocate_memory_from_process_group() when the comm is "
-                    f"custom: {type(comm).__name__}"
+                    f"cannot call {api}() when the comm is custom: {type(comm).__name__}"
                 )
+
+    def _comm_process_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+        """The all-gather's and the reduce-scatter's process groups; ``None`` when the group
+        never all-gathers or reduce-scatters (replicate-only)."""
         info = self.mesh_info
-        if enable and isinstance(info, FSDPMeshInfo):
-            rs_group = info.reduce_scatter_process_group or info.shard_process_group
-            self._all_gather_comm = ProcessGroupAllocAllGather(info.shard_process_group)
-            self._reduce_scatter_comm = ProcessGroupAllocReduceScatter(rs_group)
+        if not isinstance(info, FSDPMeshInfo):
+            return None
+        return info.shard_process_group, (
+            info.reduce_scatter_process_group or info.shard_process_group
+        )
+
+    def set_allocate_memory_from_process_group(self, enable: bool) -> None:
+        self._require_known_comms(
+            "set_allocate_memory_from_process_group",
+            (DefaultAllGather, ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter),
+            (DefaultReduceScatter, ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter),
+        )
+        groups = self._comm_process_groups()
+        if enable and groups is not None:
+            self._all_gather_comm = ProcessGroupAllocAllGather(groups[0])
+            self._reduce_scatter_comm = ProcessGroupAllocReduceScatter(groups[1])
         else:
             self._all_gather_comm = DefaultAllGather()
             self._reduce_scatter_comm = DefaultReduceScatter()
 
+    def check_symm_mem_comms(self) -> None:
+        self._require_known_comms(
+            "set_symm_mem_for_comm",
+            (DefaultAllGather, SymmMemAllGather),
+            (DefaultReduceScatter, SymmMemReduceScatter),
+        )
+
     def set_symm_mem(self, backend: Literal["NCCL"]) -> None:
         """Stage all-gathers and reduce-scatters in symmetric memory (CUDA with NCCL)."""
-        for comm, allowed in (
-            (self._all_gather_comm, (DefaultAllGather, SymmMemAllGather)),
-            (self._reduce_scatter_comm, (DefaultReduceScatter, SymmMemReduceScatter)),
-        ):
-            if type(comm) not in allowed:
-                raise AssertionError(
-                    f"cannot call set_symm_mem_for_comm() when the comm is custom: "
-                    f"{type(comm).__name__}"
-                )
-        self.validate_symm_mem_buffers(self.reduce_scatter_max_input_buffers, symm_mem=True)
-        info = self.mesh_info
-        if not isinstance(info, FSDPMeshInfo):
+        self.check_symm_mem_comms()
+        self.check_symm_mem_buffers(self.reduce_scatter_max_input_buffers)
+        groups = self._comm_process_groups()
+        if groups is None:
             return  # replicate-only groups never all-gather or reduce-scatter
-        rs_group = info.reduce_scatter_process_group or info.shard_process_group
-        self._all_gather_comm = SymmMemAllGather(info.shard_process_group, backend)
-        self._reduce_scatter_comm = SymmMemReduceScatter(rs_group, backend)
+        self._all_gather_comm = SymmMemAllGather(groups[0], backend)
+        self._reduce_scatter_comm = SymmMemReduceScatter(groups[1], backend)
 
-    def validate_symm_mem_buffers(self, max_input_buffers: int, *, symm_mem: bool) -> None:
+    def check_symm_mem_buffers(self, max_input_buffers: int) -> None:
         # The symmetric-memory pool hands back one segment per size, so keeping several
         # reduce-scatter inputs alive would register one symmetric segment each.
-        if symm_mem and max_input_buffers > 1:
+        if max_input_buffers > 1:
             raise ValueError(
                 f"group '{self._fqn}': set_reduce_scatter_max_input_buffers({max_input_buffers}) "
                 "cannot be combined with set_symm_mem_for_comm(): symmetric memory keeps one "

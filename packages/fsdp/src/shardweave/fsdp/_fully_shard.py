@@ -22,7 +22,6 @@ from shardweave.fsdp._fsdp_api import (
     OffloadPolicy,
     ReduceScatter,
 )
-from shardweave.fsdp._fsdp_collectives import DefaultAllGather, SymmMemAllGather
 from shardweave.fsdp._fsdp_init import (
     managed_modules,
     managed_params_and_buffers,
@@ -184,7 +183,7 @@ def fully_shard(
         placements: list[tuple[Any, DataParallelMeshInfo]] = [(None, mesh_info)] * len(params)
         if isinstance(mesh_info, FSDPMeshInfo):
             placements = list(resolve_shard_placements(params, shard_placement_fn, mesh_info))
-        return _build_groups(
+        return build_groups(
             params,
             placements,
             roots,
@@ -294,7 +293,7 @@ def root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
     return tuple(roots)
 
 
-def _build_groups(
+def build_groups(
     params: list[nn.Parameter],
     placements: list[tuple[Any, DataParallelMeshInfo]],
     roots: tuple[nn.Module, ...],
@@ -635,7 +634,8 @@ class FSDPModule:
             )
         groups = self._groups(recurse)
         for group in groups:
-            group.validate_symm_mem_buffers(max_input_buffers, symm_mem=group.uses_symm_mem)
+            if group.uses_symm_mem:
+                group.check_symm_mem_buffers(max_input_buffers)
         for group in groups:
             group.reduce_scatter_max_input_buffers = max_input_buffers
 
@@ -680,12 +680,8 @@ class FSDPModule:
                 f"backend FSDP supports), got {backend!r}"
             )
         groups = self._groups()
-        for group in groups:
-            if type(group._all_gather_comm) not in (DefaultAllGather, SymmMemAllGather):
-                raise AssertionError(
-                    "cannot call set_symm_mem_for_comm() when all gather comm is custom: "
-                    f"{type(group._all_gather_comm).__name__}"
-                )
+        for group in groups:  # custom comms first (AssertionError), as torch checks them first
+            group.check_symm_mem_comms()
         device = self._get_fsdp_state()._device
         if device.type != "cuda" or not dist.is_nccl_available():
             raise RuntimeError(

@@ -19,9 +19,8 @@ from shardweave.fsdp._fsdp_init import (
     validate_ignored_params,
     validate_module,
 )
-from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
-from shardweave.fsdp._fully_shard import attach_engine, check_policy_types
+from shardweave.fsdp._fully_shard import attach_engine, build_groups, check_policy_types
 from shardweave.mesh import (
     DataParallelMeshDims,
     DDPMeshInfo,
@@ -158,26 +157,6 @@ def replicate(
         mesh_info = DDPMeshInfo(mesh, replicate_mesh_dim=0)
     device = mesh_device(mesh)
 
-    def make_groups(
-        params: list[nn.Parameter], roots: tuple[nn.Module, ...]
-    ) -> list[FSDPParamGroup]:
-        if not params:
-            return []
-        # One group; parameters stay unsharded between forward and backward (no post-forward
-        # mesh) and every parameter is placed Replicate() on the mesh.
-        return [
-            FSDPParamGroup(
-                params,
-                roots,
-                mesh_info,
-                None,
-                device,
-                [None] * len(params),
-                mp_policy,
-                offload_policy,
-            )
-        ]
-
     attach_engine(
         modules,
         ignored_params,
@@ -185,7 +164,19 @@ def replicate(
         lambda roots: ReplicateState(
             roots, device, mp_policy, mesh_info, auto_reshard_after_forward=False
         ),
-        make_groups,
+        # One group: every parameter Replicate() on the mesh, and unsharded from forward to
+        # backward (no post-forward mesh).
+        lambda params, roots: build_groups(
+            params,
+            [(None, mesh_info)] * len(params),
+            roots,
+            mesh_info,
+            None,
+            None,
+            device,
+            mp_policy,
+            offload_policy,
+        ),
         ReplicateModule,
         "Replicate",
         mark_managed=False,
