@@ -315,16 +315,16 @@ def estimate_loss(
     return out
 
 
-def print_plan(config: GPTConfig, world: int, rank: int) -> Any:
-    """The planner's prediction for exactly this setup (a meta-device model, no collectives);
-    rank 0 prints it. Every rank computes it: it is cheap and each compares with its trace."""
+def print_plan(config: GPTConfig, world: int) -> Any:
+    """Print and return the planner's prediction for exactly this setup (a meta-device model,
+    no collectives). Rank 0 alone calls it: the report, which compares it with the trace, is
+    rank 0's."""
     from shardweave.fsdp.plan import format_table, plan
 
     predicted = plan(
         lambda: GPT(config), mesh=world, wrap=Block, optimizer="adamw", backward_prefetch=1
     )
-    if rank == 0:
-        print(format_table(predicted), file=sys.stderr, flush=True)
+    print(format_table(predicted), file=sys.stderr, flush=True)
     return predicted
 
 
@@ -386,9 +386,7 @@ def train(args: argparse.Namespace) -> Report | None:
         n_head=args.n_head,
         n_embd=args.n_embd,
     )
-    predicted = None
-    if args.impl == "shardweave":
-        predicted = print_plan(config, world, rank)
+    predicted = print_plan(config, world) if args.impl == "shardweave" and rank == 0 else None
     torch.manual_seed(args.seed)  # same seed on every rank: identical init before sharding
     model = GPT(config)
     num_params = model.num_params()
@@ -408,7 +406,7 @@ def train(args: argparse.Namespace) -> Report | None:
 
     step_ms: list[float] = []
     live = LiveTensorBytes()
-    tracer = start_tracer(args) if predicted is not None else None
+    tracer = start_tracer(args) if args.impl == "shardweave" else None
     param_bytes = grad_bytes = optim_bytes = 0
     # The last step runs under the live-bytes tracker (its own cost would skew the timing).
     instrumented = args.steps - 1 if args.track_live_bytes else -1
@@ -459,8 +457,7 @@ def train(args: argparse.Namespace) -> Report | None:
     trace_files: list[str] = []
     plan_vs_trace: dict[str, dict[str, int]] = {}
     if tracer is not None:
-        if tracer.active:
-            tracer.stop()
+        tracer.stop()  # a no-op unless training ended inside the traced steps
         trace_files = write_trace(tracer, args.trace_dir)
         if predicted is not None:
             plan_vs_trace = compare_plan(predicted, tracer)
