@@ -32,7 +32,8 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         width = max([11, *(len(impl) for impl in w["results"])])
         lines.append(
-            f"  {'impl':<{width}} {'min ms':>8} {'median':>8} {'max ms':>8} {'peak live':>10}   "
+            f"  {'impl':<{width}} {'min ms':>8} {'median':>8} {'max ms':>8} {'opt ms':>7} "
+            f"{'peak live':>10}   "
             f"{'all-gather':>19} {'reduce-scatter':>19} {'all-reduce':>14}  "
             f"{'loss first->last':>17}"
         )
@@ -44,7 +45,7 @@ def format_report(report: dict[str, Any]) -> str:
             t, c, b = r["step_ms"], r["comm_counts"], r["comm_bytes"]
             lines.append(
                 f"  {impl:<{width}} {t['min']:>8.2f} {t['median']:>8.2f} {t['max']:>8.2f} "
-                f"{_fmt_bytes(r['memory']['peak_bytes']):>10}   "
+                f"{r['opt_ms']['median']:>7.2f} {_fmt_bytes(r['memory']['peak_bytes']):>10}   "
                 f"{c['all_gather']:>4} x {_fmt_bytes(b['all_gather']):>10}    "
                 f"{c['reduce_scatter']:>4} x {_fmt_bytes(b['reduce_scatter']):>10}    "
                 f"{c['all_reduce']:>3} x {_fmt_bytes(b['all_reduce']):>7}  "
@@ -61,7 +62,7 @@ def format_report(report: dict[str, Any]) -> str:
                 f"RS {_fmt_bytes(tm['reduce_scatter_bytes_padded'])})"
             )
         lines.append(
-            f"  {'minimum':<{width}} {'':>8} {'':>8} {'':>8} {'':>10}   "
+            f"  {'minimum':<{width}} {'':>8} {'':>8} {'':>8} {'':>7} {'':>10}   "
             f"{'':>4}   {_fmt_bytes(tm['all_gather_bytes']):>10}    "
             f"{'':>4}   {_fmt_bytes(tm['reduce_scatter_bytes']):>10}    "
             f"{'':>3}   {_fmt_bytes(tm['all_reduce_bytes']):>7}  {note}"
@@ -89,6 +90,10 @@ def format_report(report: dict[str, Any]) -> str:
         for key, ratio in w.items():
             for prefix, what in (
                 ("median_ratio_shardweave_over_", "median step time"),
+                (
+                    "median_ratio_without_optimizer_shardweave_over_",
+                    "median step time less the optimizer's",
+                ),
                 ("peak_bytes_ratio_shardweave_over_", "peak live bytes"),
             ):
                 if key.startswith(prefix):

@@ -45,12 +45,21 @@ class _Runner:
         self.loss_fn = workload.loss
         self.losses: list[float] = []
 
-    def step(self) -> None:
+    def step(self) -> float:
+        """One training step; returns the seconds spent in ``opt.step()`` + ``zero_grad``.
+
+        The optimizer runs no collective, so its time is this rank's own: it tells the engine's
+        share of a step (forward, backward, communication) from the optimizer's, which depends
+        on the parameters' type (plain tensors or DTensors) and not on the engine.
+        """
         loss = self.loss_fn(self.model, self.batch)
         loss.backward()
+        t0 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        opt_s = time.perf_counter() - t0
         self.losses.append(loss.item())
+        return opt_s
 
 
 def _workload(name: str) -> Workload:
@@ -111,8 +120,8 @@ def _set_worker(
                     # Common start: a step's time then includes waiting for the slowest rank.
                     dist.barrier()
                     t0 = time.perf_counter()
-                    runner.step()
-                    times.append((time.perf_counter() - t0) * 1e3)
+                    opt_s = runner.step()
+                    times.append(((time.perf_counter() - t0) * 1e3, opt_s * 1e3))
                 conn.send(("ok", times))
             elif command == "count":
                 counter = CollectiveCounter()
@@ -210,6 +219,8 @@ class ImplSet:
 class ImplResult:
     error: str | None = None
     step_ms: list[float] = field(default_factory=list)  # slowest rank's time, per timed step
+    # The optimizer's part of each timed step (slowest rank's ``opt.step()`` + ``zero_grad``).
+    opt_ms: list[float] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)
     comm_counts: dict[str, int] = field(default_factory=dict)
     comm_bytes: dict[str, int] = field(default_factory=dict)
@@ -260,7 +271,9 @@ def run_sets(workload: Workload, impls: list[str], args: argparse.Namespace) -> 
                     except SetFailed as e:
                         fail(impl, e)
                         continue
-                    results[impl].step_ms += [max(ms) for ms in zip(*per_rank, strict=True)]
+                    for ranks in zip(*per_rank, strict=True):
+                        results[impl].step_ms.append(max(total for total, _ in ranks))
+                        results[impl].opt_ms.append(max(opt for _, opt in ranks))
             for impl in list(sets):
                 try:
                     counts, nbytes, ops = sets[impl].request("count")[0]
@@ -283,12 +296,20 @@ def _workload_report(
 ) -> dict[str, Any]:
     ok = {impl: r for impl, r in results.items() if r.error is None}
     medians = {impl: statistics.median(r.step_ms) for impl, r in ok.items()}
+    # Step time less the optimizer's, per step: the engine's own share of the step.
+    engine_medians = {
+        impl: statistics.median(t - o for t, o in zip(r.step_ms, r.opt_ms, strict=True))
+        for impl, r in ok.items()
+    }
     peaks = {impl: r.memory["peak_bytes"] for impl, r in ok.items()}
     ratios: dict[str, float | None] = {}
     for base in workload.baselines:
         both = "shardweave" in ok and base in ok
         ratios[f"median_ratio_shardweave_over_{base}"] = (
             medians["shardweave"] / medians[base] if both else None
+        )
+        ratios[f"median_ratio_without_optimizer_shardweave_over_{base}"] = (
+            engine_medians["shardweave"] / engine_medians[base] if both else None
         )
         ratios[f"peak_bytes_ratio_shardweave_over_{base}"] = (
             peaks["shardweave"] / peaks[base] if both else None
@@ -328,6 +349,12 @@ def _workload_report(
                     "samples": r.step_ms,
                 }
                 if r.step_ms and r.error is None
+                else None,
+                "opt_ms": {
+                    "median": statistics.median(r.opt_ms),
+                    "samples": r.opt_ms,
+                }
+                if r.opt_ms and r.error is None
                 else None,
                 "memory": r.memory or None,
                 "comm_counts": r.comm_counts,

@@ -28,6 +28,13 @@ a barrier before each step. Every pipe read has a timeout (``--timeout``): an im
 that raises, dies or hangs is reported with its error, its processes are killed, and the
 others still produce numbers.
 
+Optimizer time. Each timed step also records the slowest rank's ``opt.step()`` + ``zero_grad``
+("opt ms"); the report gives the median step-time ratio with and without it. The optimizer runs
+no collective, and its cost depends on the parameters' type rather than on the engine: on CPU,
+torch's AdamW takes its per-tensor path for every parameter, and each operation on a DTensor
+parameter (``replicate``'s, like torch's ``replicate``'s) goes through DTensor dispatch, several
+times the cost of the same operation on the plain tensors DDP trains.
+
 Collectives. One extra step per implementation runs under a dispatch mode that records every
 c10d collective, so the report gives collectives and bytes per step by kind, next to the
 theoretical minimum for the sharding layout.
@@ -179,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_s": round(time.perf_counter() - t0, 2),
             "step_time": "slowest rank, barrier before each step; one process set per "
             "implementation, driven in turns, order alternating A B C / C B A",
+            "opt_ms": "slowest rank's opt.step() + zero_grad within each timed step",
             "bytes": "all-gather: gathered output; reduce-scatter: unreduced input; "
             "all-reduce: tensor size",
             "peak_bytes": "max over ranks of the peak bytes in live CPU tensor storages during "
