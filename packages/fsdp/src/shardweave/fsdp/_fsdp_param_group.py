@@ -33,6 +33,7 @@ from shardweave.fsdp._fsdp_collectives import (
     all_gather_copy_in,
     all_gather_copy_out,
     foreach_reduce,
+    release_finished_buffer,
 )
 from shardweave.fsdp._fsdp_common import (
     ShardedState,
@@ -415,6 +416,8 @@ class FSDPParamGroup:
             # counter, or autograd would reject the parameters it saved in forward.
             with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):
                 all_gather_copy_out(result, self.fsdp_params)
+            if result.work is not None:  # else the output is the sharded storage itself
+                release_finished_buffer(result.output, self._all_gather_comm)
         for p in self.fsdp_params:
             p.init_unsharded_param()
             p.to_unsharded()
