@@ -37,10 +37,11 @@ COLLECTIVE_TIMEOUT: Final = datetime.timedelta(seconds=120)
 class _Runner:
     """One implementation's model + optimizer for one workload, on this rank."""
 
-    def __init__(self, impl: str, workload: Workload, rank: int) -> None:
+    def __init__(self, impl: str, workload: Workload, rank: int, foreach: bool | None) -> None:
         torch.manual_seed(0)  # same init for every implementation and every rank
         self.model = workload.wrap(workload.impls[impl], workload.build())
-        self.opt = workload.make_optimizer(self.model.parameters())
+        opt_kwargs = {} if foreach is None else {"foreach": foreach}
+        self.opt = workload.make_optimizer(self.model.parameters(), **opt_kwargs)
         self.batch = workload.make_batch(rank)
         self.loss_fn = workload.loss
         self.losses: list[float] = []
@@ -73,6 +74,7 @@ def _set_worker(
     workload_name: str,
     impl: str,
     warmup: int,
+    foreach: bool | None,
     conn: Connection,
 ) -> None:
     """A rank of one implementation's set: set up, then serve the parent's commands.
@@ -92,7 +94,7 @@ def _set_worker(
         self_check = memory_self_check()
         workload = _workload(workload_name)
         with LiveBytesRecorder() as rec:
-            runner = _Runner(impl, workload, rank)
+            runner = _Runner(impl, workload, rank, foreach)
             for _ in range(warmup):
                 runner.step()
             before_state = state_bytes(runner.model, runner.opt)
@@ -167,7 +169,16 @@ class ImplSet:
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=_set_worker,
-                args=(rank, args.world_size, store, workload.name, impl, args.warmup, child_end),
+                args=(
+                    rank,
+                    args.world_size,
+                    store,
+                    workload.name,
+                    impl,
+                    args.warmup,
+                    args.foreach,
+                    child_end,
+                ),
                 daemon=True,
             )
             proc.start()

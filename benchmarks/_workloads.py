@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -20,7 +20,8 @@ class Workload:
     build: Callable[[], nn.Module]
     # Modules to fully_shard, in order (children before the root, which comes last).
     shard_units: Callable[[nn.Module], list[nn.Module]]
-    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    # Called with the parameters and the optimizer keywords of the run (``--foreach``).
+    make_optimizer: Callable[..., torch.optim.Optimizer]
     make_batch: Callable[[int], tuple[torch.Tensor, ...]]
     loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
     # Implementation name -> engine (see ``load_engine``); the first is the one under test,
@@ -90,7 +91,7 @@ WORKLOADS: Final = (
         ),
         build=_mlp,
         shard_units=lambda m: [*m.children(), m],
-        make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        make_optimizer=lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, **kw),
         make_batch=_mlp_batch,
         loss=_mlp_loss,
     ),
@@ -103,7 +104,7 @@ WORKLOADS: Final = (
         ),
         build=lambda: GPT(GPT_CONFIG),
         shard_units=_gpt_units,
-        make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        make_optimizer=lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, **kw),
         make_batch=_gpt_batch,
         loss=_gpt_loss,
     ),
@@ -116,7 +117,7 @@ WORKLOADS: Final = (
         ),
         build=lambda: GPT(GPT_CONFIG),
         shard_units=_gpt_units,
-        make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        make_optimizer=lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, **kw),
         make_batch=_gpt_batch,
         loss=_gpt_loss,
         impls=dict(REPLICATE_IMPLS),

@@ -35,6 +35,10 @@ torch's AdamW takes its per-tensor path for every parameter, and each operation 
 parameter (``replicate``'s, like torch's ``replicate``'s) goes through DTensor dispatch, several
 times the cost of the same operation on the plain tensors DDP trains.
 
+``--foreach`` passes ``foreach=True`` (or, as ``--no-foreach``, ``False``) to every
+implementation's optimizer: on accelerators torch's optimizers default to their ``foreach``
+path, DTensor parameters included, so this is the closer model of a GPU run's optimizer.
+
 Collectives. One extra step per implementation runs under a dispatch mode that records every
 c10d collective, so the report gives collectives and bytes per step by kind, next to the
 theoretical minimum for the sharding layout.
@@ -97,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="timed steps a set runs before handing over to the next (default %(default)s)",
     )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation")
+    p.add_argument(
+        "--foreach",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pass foreach=True/False to every implementation's optimizer (default: the "
+        "optimizer's own choice, which on CPU is its per-tensor path)",
+    )
     p.add_argument(
         "--timeout",
         type=float,
@@ -187,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_time": "slowest rank, barrier before each step; one process set per "
             "implementation, driven in turns, order alternating A B C / C B A",
             "opt_ms": "slowest rank's opt.step() + zero_grad within each timed step",
+            "optimizer_foreach": args.foreach,
             "bytes": "all-gather: gathered output; reduce-scatter: unreduced input; "
             "all-reduce: tensor size",
             "peak_bytes": "max over ranks of the peak bytes in live CPU tensor storages during "
