@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,6 +84,22 @@ def _gpt_units(model: nn.Module) -> list[nn.Module]:
     return [*model.blocks, model]
 
 
+_GPT_NAME: Final = (
+    f"GPT {GPT_CONFIG.n_layer} blocks, n_embd {GPT_CONFIG.n_embd}, vocab {GPT_CONFIG.vocab_size}"
+)
+_GPT_STEP: Final = f"AdamW; batch 8x{GPT_CONFIG.block_size} tokens"
+
+# The demo's GPT under fully_shard; the replicate workload below trains the same model.
+_GPT: Final = Workload(
+    name="gpt",
+    description=f"{_GPT_NAME}: per-block fully_shard + root; {_GPT_STEP}",
+    build=lambda: GPT(GPT_CONFIG),
+    shard_units=_gpt_units,
+    make_optimizer=lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, **kw),
+    make_batch=_gpt_batch,
+    loss=_gpt_loss,
+)
+
 WORKLOADS: Final = (
     Workload(
         name=f"mlp{MLP_LAYERS}",
@@ -95,31 +112,14 @@ WORKLOADS: Final = (
         make_batch=_mlp_batch,
         loss=_mlp_loss,
     ),
-    Workload(
-        name="gpt",
-        description=(
-            f"GPT {GPT_CONFIG.n_layer} blocks, n_embd {GPT_CONFIG.n_embd}, vocab "
-            f"{GPT_CONFIG.vocab_size}: per-block fully_shard + root; AdamW; batch 8x"
-            f"{GPT_CONFIG.block_size} tokens"
-        ),
-        build=lambda: GPT(GPT_CONFIG),
-        shard_units=_gpt_units,
-        make_optimizer=lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, **kw),
-        make_batch=_gpt_batch,
-        loss=_gpt_loss,
-    ),
-    Workload(
+    _GPT,
+    dataclasses.replace(
+        _GPT,
         name="replicate",
         description=(
-            f"GPT {GPT_CONFIG.n_layer} blocks, n_embd {GPT_CONFIG.n_embd}, vocab "
-            f"{GPT_CONFIG.vocab_size}: per-block replicate + root (ddp: DistributedDataParallel"
-            f" on the plain model); AdamW; batch 8x{GPT_CONFIG.block_size} tokens"
+            f"{_GPT_NAME}: per-block replicate + root (ddp: DistributedDataParallel on the plain"
+            f" model); {_GPT_STEP}"
         ),
-        build=lambda: GPT(GPT_CONFIG),
-        shard_units=_gpt_units,
-        make_optimizer=lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, **kw),
-        make_batch=_gpt_batch,
-        loss=_gpt_loss,
         impls=dict(REPLICATE_IMPLS),
         default_steps=60,
         mode="replicate",
