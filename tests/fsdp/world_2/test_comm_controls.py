@@ -84,15 +84,23 @@ class RecordingReduceScatter(ReduceScatter):
         )  # type: ignore[no-any-return]
 
 
+def _recording_first_layer(
+    model: nn.Module,
+) -> tuple[nn.Module, RecordingAllGather, RecordingReduceScatter]:
+    """Give ``model.layers[0]`` recording custom comms; returns the layer and both comms."""
+    layer = model.layers[0]  # type: ignore[index]
+    ag, rs = RecordingAllGather(), RecordingReduceScatter()
+    layer.set_custom_all_gather(ag)
+    layer.set_custom_reduce_scatter(rs)
+    return layer, ag, rs
+
+
 def custom_comms(rank: int, world: int) -> None:
     model = make_model("gpt")
     ref = copy.deepcopy(model)
     shard_blocks(model, fully_shard)
     shard_blocks(ref, fully_shard)
-    layer = model.layers[0]  # type: ignore[index]
-    ag, rs = RecordingAllGather(), RecordingReduceScatter()
-    layer.set_custom_all_gather(ag)
-    layer.set_custom_reduce_scatter(rs)
+    layer, ag, rs = _recording_first_layer(model)
     batch = make_batch("gpt", rank)
     for m in (model, ref):
         loss_fn("gpt", m(batch), batch).backward()
@@ -388,10 +396,7 @@ def released_buffers(rank: int, world: int) -> dict[str, int]:
     tmodel = copy.deepcopy(model)
     shard_blocks(model, fully_shard)
     shard_blocks(tmodel, torch_fully_shard)
-    custom = model.layers[0]  # type: ignore[index]
-    ag, rs = RecordingAllGather(), RecordingReduceScatter()
-    custom.set_custom_all_gather(ag)
-    custom.set_custom_reduce_scatter(rs)
+    custom, ag, rs = _recording_first_layer(model)
     default: list[torch.Tensor] = []
     custom_bufs: list[torch.Tensor] = []
     _record_allocations(ag, custom_bufs)
