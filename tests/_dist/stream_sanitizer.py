@@ -1,0 +1,545 @@
+"""A CPU stream sanitizer: fake device streams and events checked by torch's stream-race checker.
+
+No GPU is lent to this project, yet the engine orders its CUDA work with several streams (the
+all-gather copy-in, all-gather, reduce-scatter and all-reduce streams beside the current one)
+and events between them. This module proves that ordering on CPU:
+
+* :class:`FakeDeviceModule` quacks like ``torch.get_device_module(device)`` for what the engine
+  uses (``Stream``, ``Event``, ``current_stream``, ``stream``, ``synchronize``). Its streams and
+  events do nothing on the host; every creation, record, wait and synchronization is fed to
+  ``torch.cuda._sanitizer.EventHandler``, the pure-Python core of torch's CUDA sanitizer (CSAN),
+  which keeps, per stream, the last kernel of every other stream it is ordered after.
+* :class:`SanitizerMode`, a ``TorchDispatchMode``, reports every op as a kernel launch on the
+  fake *current* stream, with its reads and writes split by the op schema's alias info (CSAN's
+  own ``ArgumentHandler``, taught to accept CPU tensors). The checker reports an access that is
+  not ordered after a conflicting access from another stream.
+* :func:`stream_sanitizer` installs both (the fake module into the engine through
+  ``shardweave.fsdp._fsdp_streams.use_device_module``) and raises :class:`StreamRaceError` with
+  CSAN's own text on exit, or leaves the errors in the report for the test to assert on.
+
+Collectives. c10d's ops (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``,
+``c10d::allreduce_``, reached from ``dist.all_gather_single``, ``dist.reduce_scatter_single``
+and ``dist.all_reduce``) *do* reach a Python dispatch mode on CPU with gloo: the
+ProcessGroup's C++ methods call them through the dispatcher, and the Python key's fallback
+sends them here (checked in ``tests/harness/test_stream_sanitizer.py``). Nothing is wrapped.
+Their schemas carry no alias annotations, so they are modelled explicitly: one kernel on the
+stream that is current at issue time, reading the input and writing the output (all-reduce:
+reading and writing its tensors). This is how a collective behaves on the stream it is issued
+on with ``async_op=False`` or when the issuing stream is then awaited through an event, which is
+the pattern of torch's FSDP2.
+
+What is not modelled:
+
+* Host-side waits: ``Work.wait()`` and the blocking of gloo are invisible. On NCCL,
+  ``Work.wait()`` makes the *current* stream wait for NCCL's internal stream; here the
+  collective already runs on the issuing stream, so an engine that relies on ``Work.wait()``
+  from another stream (instead of an event) would be reported.
+* Memory lifetime: CPU has no caching-allocator callbacks. A storage's address is its identity,
+  and freed addresses come back, so an old access at a reused address would look like a race
+  on the new tensor. Allocation is therefore inferred: an op output that aliases no input
+  (its schema return has no alias info and its storage is no input's), ``empty``/factory
+  outputs and ``lift_fresh`` (``torch.tensor``) are fresh allocations, and
+  ``UntypedStorage.resize_`` (the engine's free/refill of unsharded storage) deallocates and
+  allocates. Like CSAN on CUDA, a use after free across streams is not reported.
+* Granularity: accesses are keyed by storage (its base address), not by ``data_ptr()`` as CSAN
+  does on CUDA, so a read of ``x[1:]`` conflicts with a write of ``x``. This is conservative:
+  two streams using disjoint slices of one storage without ordering are reported too.
+* Tensor subclasses (DTensor) are recorded at the outer op, with their inner tensors' storages;
+  the ops a subclass runs inside its own ``__torch_dispatch__`` are not seen one by one.
+* Only the thread that entered the sanitizer is observed (dispatch modes are thread-local; on
+  CPU the autograd engine runs backward on the calling thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import sys
+from collections.abc import Collection, Iterator
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch.cuda._sanitizer import (
+    ArgumentHandler,
+    CUDASanitizerErrors,
+    EventHandler,
+    SynchronizationError,
+    UnsynchronizedAccessError,
+    zip_arguments,
+)
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+__all__ = [
+    "FakeDeviceModule",
+    "FakeEvent",
+    "FakeStream",
+    "SanitizerMode",
+    "SanitizerReport",
+    "StreamRaceError",
+    "stream_sanitizer",
+]
+
+aten = torch.ops.aten
+
+# CSAN's EventHandler creates stream 0 as the default stream; the fake default stream uses it.
+DEFAULT_STREAM_ID: Final[int] = 0
+
+# The collectives the engine issues, by schema name: (arguments read, arguments written).
+# Their schemas have no alias annotations, so CSAN's ArgumentHandler alone would not know that
+# the output argument is written in place.
+_COLLECTIVES: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    "c10d::_allgather_base_": (("input_tensor",), ("output_tensor",)),
+    "c10d::_reduce_scatter_base_": (("input_tensor",), ("output_tensor",)),
+    "c10d::allreduce_": ((), ("tensors",)),
+}
+# CSAN's regex for factory ops that take a tensor only for its metadata (``empty_like``...).
+_FACTORY_PREFIXES: Final[tuple[str, ...]] = ("new_",)
+_FACTORY_SUFFIXES: Final[tuple[str, ...]] = ("_like",)
+# Ops whose output is a new tensor even though the schema says it aliases the input:
+# ``torch.tensor(data)`` builds its storage outside dispatch and then calls these.
+_LIFT_OPS: Final[frozenset[str]] = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy"})
+
+
+class StreamRaceError(CUDASanitizerErrors):
+    """Races the sanitizer found; ``errors`` holds CSAN's error objects.
+
+    The message is CSAN's full text for the first race (both accesses with their stacks) and a
+    one-line summary for each further one, so a report from several ranks stays readable.
+    """
+
+    def __str__(self) -> str:
+        lines = [f"stream sanitizer: {len(self.errors)} possible data race(s) between streams"]
+        if self.errors:
+            lines.append(str(self.errors[0]))
+        lines.extend(f"also: {summarize(e)}" for e in self.errors[1:])
+        return "\n".join(lines)
+
+
+def summarize(error: SynchronizationError) -> str:
+    """One line for a race: which stream accessed what after which unordered access."""
+    if not isinstance(error, UnsynchronizedAccessError):
+        return str(error)
+    cur, prev = error.current_access, error.previous_access
+    return (
+        f"storage {error.data_ptr}: {cur.type} by stream {cur.stream} in "
+        f"{_op_name(cur.operator)} after {prev.type} by stream {prev.stream} in "
+        f"{_op_name(prev.operator)}"
+    )
+
+
+def _op_name(schema: str) -> str:
+    return schema.split("(", 1)[0]
+
+
+class SanitizerReport:
+    """What one sanitizer run saw; a test asserts on it (see :func:`stream_sanitizer`).
+
+    Attributes:
+        errors: CSAN's race errors, in the order found.
+        device: the fake device module (for code that is not the engine: toy tests).
+        streams: every fake stream created, the default stream first.
+        kernels: how many ops were recorded as kernel launches.
+        collectives: ``(schema name, stream id)`` of every collective, in issue order.
+        events_recorded: how many times an event was recorded on a stream.
+        waits: how many stream-on-event waits were applied (``wait_stream`` included).
+        dropped_waits: the qualified names of the callers whose waits were dropped on purpose.
+    """
+
+    def __init__(self, device: FakeDeviceModule) -> None:
+        self.errors: list[SynchronizationError] = []
+        self.device = device
+        self.streams: list[FakeStream] = []
+        self.kernels = 0
+        self.collectives: list[tuple[str, int]] = []
+        self.events_recorded = 0
+        self.waits = 0
+        self.dropped_waits: list[str] = []
+
+    @property
+    def races(self) -> list[str]:
+        """One line per race (see :func:`summarize`); picklable, for results from workers."""
+        return [summarize(e) for e in self.errors]
+
+    def __repr__(self) -> str:
+        return (
+            f"SanitizerReport(races={len(self.errors)}, streams={len(self.streams)}, "
+            f"kernels={self.kernels}, collectives={len(self.collectives)}, "
+            f"events_recorded={self.events_recorded}, waits={self.waits}, "
+            f"dropped_waits={len(self.dropped_waits)})"
+        )
+
+
+class FakeEvent:
+    """An event: remembers, when recorded, how far every stream had got (in CSAN's handler)."""
+
+    def __init__(self, device: FakeDeviceModule) -> None:
+        self._device = device
+        self.id = next(device._event_ids)
+        device.handler._handle_event_creation(self.id)
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream if stream is not None else self._device.current_stream()
+        self._device.handler._handle_event_record(self.id, stream.id)
+        self._device.report.events_recorded += 1
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        stream = stream if stream is not None else self._device.current_stream()
+        if not self._device._drops_wait(_caller_qualname()):
+            stream._wait(self)
+
+    def synchronize(self) -> None:
+        # The host waited for the event: every stream's later work is ordered after it.
+        self._device.handler._handle_event_synchronization(self.id)
+
+    def query(self) -> bool:
+        return True  # nothing runs asynchronously on the fake device
+
+    def __repr__(self) -> str:
+        return f"FakeEvent(id={self.id})"
+
+
+class FakeStream:
+    """A stream: only an id that CSAN's handler tracks; work is attributed to it while current."""
+
+    def __init__(self, device: FakeDeviceModule, stream_id: int, priority: int = 0) -> None:
+        self._device = device
+        self.id = stream_id
+        self.priority = priority
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        event = event if event is not None else FakeEvent(self._device)
+        event.record(self)
+        return event
+
+    def wait_event(self, event: FakeEvent) -> None:
+        if not self._device._drops_wait(_caller_qualname()):
+            self._wait(event)
+
+    def wait_stream(self, stream: FakeStream) -> None:
+        # As torch does it: record an event on ``stream`` now and wait for that event.
+        if not self._device._drops_wait(_caller_qualname()):
+            self._wait(stream.record_event())
+
+    def synchronize(self) -> None:
+        self._device.handler._handle_stream_synchronization(self.id)
+
+    def query(self) -> bool:
+        return True
+
+    def _wait(self, event: FakeEvent) -> None:
+        self._device.handler._handle_event_wait(event.id, self.id)
+        self._device.report.waits += 1
+
+    def __repr__(self) -> str:
+        return f"FakeStream(id={self.id}, priority={self.priority})"
+
+
+class FakeDeviceModule:
+    """Stands in for ``torch.get_device_module(device)``: streams and events for the checker.
+
+    Args:
+        drop_waits_from: qualified names of functions (``"FSDPParamGroup.wait_for_unshard"``)
+            whose stream waits are silently skipped: the mutation tests remove one wait of the
+            engine this way and expect a race. Matched against the direct caller of
+            ``wait_event`` / ``wait_stream`` / ``FakeEvent.wait``.
+    """
+
+    def __init__(self, drop_waits_from: Collection[str] = ()) -> None:
+        self.handler = EventHandler()
+        self.report = SanitizerReport(self)
+        self._drop_waits_from = frozenset(drop_waits_from)
+        self._stream_ids = itertools.count(DEFAULT_STREAM_ID + 1)
+        self._event_ids = itertools.count(1)
+        default = FakeStream(self, DEFAULT_STREAM_ID)  # the handler already knows stream 0
+        self.report.streams.append(default)
+        # The current stream is a stack so that ``stream(s)`` contexts nest.
+        self._current: list[FakeStream] = [default]
+
+    # torch.cuda's names, hence the capitalized methods.
+    def Stream(self, device: object = None, priority: int = 0, **kwargs: object) -> FakeStream:
+        stream = FakeStream(self, next(self._stream_ids), priority)
+        self.handler._handle_stream_creation(stream.id)
+        self.report.streams.append(stream)
+        return stream
+
+    def Event(self, enable_timing: bool = False, **kwargs: object) -> FakeEvent:
+        return FakeEvent(self)
+
+    def current_stream(self, device: object = None) -> FakeStream:
+        return self._current[-1]
+
+    def default_stream(self, device: object = None) -> FakeStream:
+        return self._current[0]
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream | None) -> Iterator[None]:
+        """Make ``stream`` current inside the block (``None``: leave the current one)."""
+        if stream is None:
+            yield
+            return
+        self._current.append(stream)
+        try:
+            yield
+        finally:
+            self._current.pop()
+
+    def synchronize(self, device: object = None) -> None:
+        self.handler._handle_device_synchronization()
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def _drops_wait(self, caller: str) -> bool:
+        if caller in self._drop_waits_from:
+            self.report.dropped_waits.append(caller)
+            return True
+        return False
+
+
+def _caller_qualname() -> str:
+    # Frame 0 is this function, 1 the fake's wait method, 2 the code that asked for the wait.
+    code = sys._getframe(2).f_code
+    return str(getattr(code, "co_qualname", code.co_name))  # co_qualname: Python >= 3.11
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The base address of a tensor's storage, or None when it has no memory to race on."""
+    if tensor.device.type == "meta":
+        return None
+    try:
+        ptr = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse or other storage-less layouts
+        return None
+    return ptr or None  # 0: an empty storage, nothing to race on
+
+
+def _plain_tensors(value: object) -> Iterator[torch.Tensor]:
+    """The tensors holding ``value``'s memory: itself, or a wrapper subclass's inner tensors."""
+    if is_traceable_wrapper_subclass(value):
+        attrs, _ = value.__tensor_flatten__()
+        for attr in attrs:
+            yield from _plain_tensors(getattr(value, attr))
+    elif isinstance(value, torch.Tensor):
+        yield value
+
+
+def _storage_keys(tree: object) -> set[int]:
+    keys: set[int] = set()
+    for leaf in pytree.tree_leaves(tree):
+        for t in _plain_tensors(leaf):
+            key = _storage_key(t)
+            if key is not None:
+                keys.add(key)
+    return keys
+
+
+class _StorageArgumentHandler(ArgumentHandler):
+    """CSAN's argument handler, for tensors on any device, keyed by storage (see module doc)."""
+
+    def _handle_argument(
+        self,
+        value: Any,
+        is_write: bool,
+        metadata_only: bool,
+        name: str | None = None,
+        is_output: bool = False,
+    ) -> None:
+        for tensor in _plain_tensors(value):
+            key = _storage_key(tensor)
+            if key is None:
+                continue
+            if is_write:
+                self.dataptrs_written.add(key)
+            elif not metadata_only:
+                self.dataptrs_read.add(key)
+            self.tensor_aliases.setdefault(key, [])
+            if name is not None:
+                self.tensor_aliases[key].append(name)
+            if is_output:
+                self.outputs.add(key)
+
+
+# torch's TorchDispatchMode is untyped; the ignores below are for its __init__/__init_subclass__.
+class SanitizerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records every op as a kernel on ``device``'s current stream; errors go to its report."""
+
+    def __init__(self, device: FakeDeviceModule) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.device = device
+        self.in_work_wait = 0  # > 0 inside ``dist.Work.wait`` (see _quiet_work_waits)
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        if func is aten.record_stream.default:  # bookkeeping, not a kernel (as in CSAN)
+            return func(*args, **kwargs)
+        if self.in_work_wait:
+            # gloo finishes some collectives on the waiting thread (the reduce-scatter copies
+            # its result into the output in ``Work.wait()``). The collective was already
+            # recorded as one kernel at issue, as it runs on a GPU; these host copies are not.
+            return func(*args, **kwargs)
+        handler = _StorageArgumentHandler()
+        input_keys = _storage_keys((args, kwargs))
+        collective = _COLLECTIVES.get(schema.name)
+        is_factory = False
+        if collective is not None:
+            reads, writes = collective
+            for argument, value in zip_arguments(schema, args, kwargs):
+                if argument.name in reads or argument.name in writes:
+                    is_write = argument.name in writes
+                    pytree.tree_map_(
+                        functools.partial(
+                            handler._handle_argument,
+                            is_write=is_write,
+                            metadata_only=False,
+                            name=argument.name,
+                            is_output=is_write,
+                        ),
+                        value,
+                    )
+        else:
+            base = schema.name.split("::", 1)[-1]
+            is_factory = base.startswith(_FACTORY_PREFIXES) or base.endswith(_FACTORY_SUFFIXES)
+            handler.parse_inputs(schema, args, kwargs, is_factory=is_factory)
+
+        outputs = func(*args, **kwargs)
+
+        if collective is None:
+            handler.parse_outputs(schema, outputs, is_factory=is_factory)
+            # On CUDA the caching allocator tells CSAN about every new block; on CPU a new
+            # storage is recognised here, so an address freed earlier and handed out again
+            # starts with no access history instead of the dead tensor's.
+            if schema.name in _LIFT_OPS:
+                fresh = _storage_keys(outputs)
+            elif all(r.alias_info is None for r in schema.returns):
+                fresh = _storage_keys(outputs) - input_keys
+            else:
+                fresh = set()
+            for key in fresh:
+                self.device.handler._handle_memory_allocation(key)
+        stream = self.device.current_stream().id
+        report = self.device.report
+        report.kernels += 1
+        if collective is not None:
+            report.collectives.append((schema.name, stream))
+        report.errors += self.device.handler._handle_kernel_launch(
+            stream,
+            handler.dataptrs_read - handler.dataptrs_written,
+            handler.dataptrs_written,
+            handler.outputs,
+            str(schema),
+            handler.tensor_aliases,
+        )
+        return outputs
+
+
+@contextlib.contextmanager
+def _track_storage_resizes(handler: EventHandler) -> Iterator[None]:
+    """Report ``UntypedStorage.resize_`` (not a dispatched op) as deallocation / allocation.
+
+    The engine frees an unsharded parameter by resizing its storage to 0 bytes and refills it
+    by resizing it back; the refilled storage is a new allocation, often at an address another
+    tensor used before.
+    """
+    cls = torch.UntypedStorage
+    own = cls.__dict__.get("resize_")  # normally inherited from torch._C.StorageBase
+    original = cls.resize_
+
+    @functools.wraps(original)
+    def resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        old = self.data_ptr() if self.nbytes() else 0
+        result: torch.UntypedStorage = original(self, size)
+        new = self.data_ptr() if self.nbytes() else 0
+        if old != new:
+            if old:
+                handler._handle_memory_deallocation(old)
+            if new:
+                handler._handle_memory_allocation(new)
+        return result
+
+    setattr(cls, "resize_", resize_)  # noqa: B010  (mypy forbids assigning to a method)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(cls, "resize_")
+        else:
+            setattr(cls, "resize_", own)  # noqa: B010
+
+
+@contextlib.contextmanager
+def _quiet_work_waits(mode: SanitizerMode) -> Iterator[None]:
+    """Ops run inside ``dist.Work.wait()`` are not recorded (see ``SanitizerMode``)."""
+    cls = dist.Work
+    original = cls.wait
+
+    @functools.wraps(original)
+    def wait(self: dist.Work, *args: Any, **kwargs: Any) -> bool:
+        mode.in_work_wait += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            mode.in_work_wait -= 1
+
+    setattr(cls, "wait", wait)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(cls, "wait", original)  # noqa: B010
+
+
+@contextlib.contextmanager
+def stream_sanitizer(
+    *,
+    raise_on_race: bool = True,
+    install: bool = True,
+    drop_waits_from: Collection[str] = (),
+) -> Iterator[SanitizerReport]:
+    """Check stream ordering of everything run inside the block; yields the report.
+
+    Enter it before the model's first forward (the engine creates its streams at the root's
+    lazy init) and leave it after the last optimizer step.
+
+    Args:
+        raise_on_race: on a normal exit, raise :class:`StreamRaceError` if races were found.
+            With False the test asserts on ``report.errors`` itself.
+        install: make the engine use the fake device module
+            (``shardweave.fsdp._fsdp_streams.use_device_module``). False for code that uses
+            ``report.device`` directly.
+        drop_waits_from: see :class:`FakeDeviceModule` (mutation tests).
+
+    Example::
+
+        with stream_sanitizer() as report:
+            for _ in range(2):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        assert len(report.streams) > 1  # the engine really used the fake streams
+    """
+    device = FakeDeviceModule(drop_waits_from)
+    with contextlib.ExitStack() as stack:
+        if install:
+            # Imported here: the harness self-tests run without shardweave installed.
+            from shardweave.fsdp._fsdp_streams import use_device_module
+
+            stack.enter_context(use_device_module(device))
+        stack.enter_context(_track_storage_resizes(device.handler))
+        mode = SanitizerMode(device)
+        stack.enter_context(_quiet_work_waits(mode))
+        stack.enter_context(mode)
+        yield device.report
+    if raise_on_race and device.report.errors:
+        raise StreamRaceError(device.report.errors)
