@@ -227,23 +227,44 @@ def _peer_failure() -> str | None:
 
 
 # --- waiting --------------------------------------------------------------------------------
-def wait(work: dist.Work | None, what: str | Callable[[], str]) -> None:
+def _timed_wait(work: dist.Work) -> bool:
+    """One ``POLL_INTERVAL`` wait: True when the work finished, False when it timed out.
+
+    A backend whose ``Work.wait`` takes no timeout (the threaded test group, some custom
+    backends) is waited without one: no failure channel there, but no crash either.
+    """
+    try:
+        work.wait(timeout=POLL_INTERVAL)
+        return True
+    except RuntimeError as e:
+        text = str(e).lower()
+        if "not implemented" in text and "timeout" in text:
+            work.wait()
+            return True
+        if "timed out" not in text:
+            raise
+    return False
+
+
+def wait(
+    work: dist.Work | None, what: str | Callable[[], str], device: torch.device | None = None
+) -> None:
     """``work.wait()`` that gives up when a peer has published a failure.
 
     ``what`` names the collective in the error (a callable defers building the text).
+
+    Only on CPU (``device`` None or of type ``cpu``): there the backend runs the collective
+    on its own threads and a timed wait merely wakes the host to look at the failure channel.
+    On an accelerator the wait has no timeout: NCCL measures a ``Work.wait`` timeout from the
+    collective's *issue* and aborts the communicator when it expires, so any collective still
+    queued behind slow compute would end the job.
     """
     if work is None:
         return
-    if _STATE.epoch == 0 or _store() is None:
+    if (device is not None and device.type != "cpu") or _STATE.epoch == 0 or _store() is None:
         work.wait()
         return
-    while True:
-        try:
-            work.wait(timeout=POLL_INTERVAL)
-            return
-        except RuntimeError as e:
-            if "timed out" not in str(e).lower():
-                raise
+    while not _timed_wait(work):
         failure = _peer_failure()
         if failure is not None:
             raise PeerFailureError(
@@ -282,9 +303,19 @@ _DTYPES: list[torch.dtype] = [
 
 
 def check_collective(
-    group: dist.ProcessGroup, kind: str, name: str, numel: int, dtype: torch.dtype
+    group: dist.ProcessGroup,
+    kind: str,
+    name: str,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> None:
-    """Refuse (on every rank of ``group``) a collective that peers would not issue identically."""
+    """Refuse (on every rank of ``group``) a collective that peers would not issue identically.
+
+    The signatures travel on ``device`` (the collective's own, so NCCL groups work); off CPU
+    they are waited without a timeout (see ``wait``), so a missing peer is found by the stall
+    diagnosis there, not by this check.
+    """
     _STATE.seq += 1
     gid = _hash(name)
     _STATE.names[gid] = name
@@ -296,10 +327,13 @@ def check_collective(
         with contextlib.suppress(Exception):
             store.set(_key("position", dist.get_rank()), mine)
     world = group.size()
-    local = torch.tensor(sig, dtype=torch.int64)
-    gathered = torch.empty(world * _SIG_LEN, dtype=torch.int64)
+    local = torch.tensor(sig, dtype=torch.int64, device=device)
+    gathered = torch.empty(world * _SIG_LEN, dtype=torch.int64, device=device)
     work = dist.all_gather_single(gathered, local, group=group, async_op=True)
-    _wait_or_name_missing(work, group, mine)
+    if device is not None and device.type != "cpu":
+        work.wait()
+    else:
+        _wait_or_name_missing(work, group, mine)
     rows = gathered.view(world, _SIG_LEN).tolist()
     ranks = dist.get_process_group_ranks(group)
     differ = [(r, row) for r, row in zip(ranks, rows, strict=True) if row != sig]
@@ -316,13 +350,7 @@ def check_collective(
 
 def _wait_or_name_missing(work: dist.Work, group: dist.ProcessGroup, mine: str) -> None:
     start = time.monotonic()
-    while True:
-        try:
-            work.wait(timeout=POLL_INTERVAL)
-            return
-        except RuntimeError as e:
-            if "timed out" not in str(e).lower():
-                raise
+    while not _timed_wait(work):
         failure = _peer_failure()
         if failure is not None:
             raise PeerFailureError(

@@ -1,37 +1,59 @@
-"""The group collectives: all-gather copy-in/copy-out and gradient reduction.
+"""The one seam every engine collective passes through, and the group copy-in/copy-out.
 
-Functions here take explicit buffers, process groups and comm objects; they never look at
-modules or training state (the param group decides *when*, this module decides *how*).
-See Design note: tensor vocabulary (``_fsdp_common``).
+Functions here take explicit buffers, process groups, comm objects and streams; they never
+look at modules or training state (the param group decides *when*, this module decides
+*how*). See Design note: tensor vocabulary (``_fsdp_common``) and Design note: stream ordering
+(``_fsdp_streams``).
+
+Design note: the collective seam
+    Every collective the engine issues (all-gather, reduce-scatter, the HSDP all-reduce,
+    replicate's bucketed all-reduce) goes through ``issue``, and is finished through
+    ``InFlight.wait``. Issuing runs the opt-in collective check, opens the tracer's record,
+    and calls the comm inside ``stream(...)`` of the stream it belongs to, then records an
+    event there. Waiting makes the consuming stream wait for that event and, where the
+    backend completes work on its own threads (CPU: gloo, the threaded test group), waits for
+    the ``Work`` on the host, polling the failure channel (``_fault.wait``). On accelerators
+    the comm runs with ``async_op=False`` inside the stream context, so the backend orders it
+    on that stream and the host never blocks; only ``unshard(async_op=True)`` keeps a
+    ``Work``, waited without a timeout (stream-ordered on NCCL). The c10d calls themselves come
+    from the ``COLLECTIVES`` extension point (c10d by default, shipped by this package).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+import contextlib
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 
 from shardweave.fsdp import _fault, _trace
 from shardweave.fsdp._fsdp_api import AllGather, ReduceScatter
+from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
+from shardweave.mesh.extension_points import COLLECTIVES, Collectives
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_param import FSDPParam
+    from shardweave.fsdp._trace import CollectiveRecord
 
 __all__ = [
     "AllGatherResult",
+    "C10dCollectives",
     "DefaultAllGather",
     "DefaultReduceScatter",
+    "GradientReduction",
+    "InFlight",
     "ProcessGroupAllocAllGather",
     "ProcessGroupAllocReduceScatter",
     "SymmMemAllGather",
     "SymmMemReduceScatter",
     "all_gather_copy_in",
     "all_gather_copy_out",
-    "foreach_reduce",
+    "collectives_for",
     "gradient_divide_factors",
+    "issue",
     "release_finished_buffer",
 ]
 
@@ -95,6 +117,68 @@ class _SymmMemAllocate:
         self._symm_mem.rendezvous(tensor, group=group.group_name)
 
 
+class C10dCollectives:
+    """The engine's collectives as plain c10d calls: the default ``COLLECTIVES`` plugin.
+
+    Registered under the key ``"default"`` through this package's entry point; a plugin
+    registered for a device type (``"cuda"``, ``"cpu"``, ...) replaces it for that type.
+    """
+
+    def all_gather_into_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+        return cast("dist.Work | None", work)
+
+    def reduce_scatter_tensor(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: ReduceOpLike,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return cast("dist.Work | None", work)
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        op: ReduceOpLike,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        return cast(
+            "dist.Work | None", dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        )
+
+
+_C10D = C10dCollectives()
+_collectives_cache: dict[str, Collectives] = {}
+
+
+def collectives_for(device: torch.device) -> Collectives:
+    """The ``COLLECTIVES`` plugin for ``device``'s type, else the ``"default"`` one.
+
+    Looked up once per device type and process (a plugin registered later applies to the
+    next process). Without installed metadata (sources on ``PYTHONPATH``) the entry point
+    is not discoverable, so the built-in c10d default is used directly.
+    """
+    found = _collectives_cache.get(device.type)
+    if found is None:
+        registered = COLLECTIVES.registered()
+        found = registered.get(device.type) or registered.get("default") or _C10D
+        _collectives_cache[device.type] = found
+    return found
+
+
 class _AllGatherSingle(AllGather):
     def __call__(
         self,
@@ -103,8 +187,9 @@ class _AllGatherSingle(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        return cast("dist.Work | None", work)
+        return collectives_for(output_tensor.device).all_gather_into_tensor(
+            output_tensor, input_tensor, group, async_op=async_op
+        )
 
 
 class _ReduceScatterSingle(ReduceScatter):
@@ -116,10 +201,9 @@ class _ReduceScatterSingle(ReduceScatter):
         op: ReduceOpLike,
         async_op: bool = False,
     ) -> dist.Work | None:
-        work = dist.reduce_scatter_single(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        return collectives_for(output_tensor.device).reduce_scatter_tensor(
+            output_tensor, input_tensor, group, op=op, async_op=async_op
         )
-        return cast("dist.Work | None", work)
 
 
 class SymmMemAllGather(_SymmMemAllocate, _AllGatherSingle):
@@ -193,15 +277,86 @@ def release_finished_buffer(buffer: torch.Tensor, comm: AllGather | ReduceScatte
 
 
 @dataclass
+class InFlight:
+    """An issued collective: what its consumer waits on before reading the output."""
+
+    what: str | Callable[[], str]  # names the collective in errors
+    device: torch.device
+    work: dist.Work | None  # waited on the host (CPU backends, async unshards); else None
+    event: Any  # recorded on the issuing stream after the collective; None on CPU
+    record: CollectiveRecord | None = None  # the tracer's, when tracing
+    done: bool = field(default=False, init=False)
+
+    def wait(self, streams: CommStreams, stream: Any) -> None:
+        """Make ``stream`` wait for the collective (idempotent); see Design note: the
+        collective seam."""
+        if self.done:
+            return
+        self.done = True
+        wait_event(stream, self.event)
+        if self.work is not None:
+            record = self.record
+            if record is not None and record.wait_ns is None:
+                record.wait_ns = _trace.now()
+            with streams.use(stream):  # NCCL orders an untimed wait on the current stream
+                _fault.wait(self.work, self.what, self.device)
+        if self.record is not None:
+            self.record.complete_ns = _trace.now()
+
+    def abandon(self) -> None:
+        """Wait for the work after a failed step, swallowing its error (nothing reads it)."""
+        if self.work is not None and not self.done:
+            self.done = True
+            with contextlib.suppress(Exception):
+                _fault.wait(self.work, self.what, self.device)
+
+
+def issue(
+    kind: str,
+    launch: Callable[[bool], dist.Work | None],
+    *,
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    name: str,
+    trace_key: str | Callable[[], str],
+    streams: CommStreams,
+    stream: Any,
+    what: str | Callable[[], str],
+    host_wait: bool = False,
+) -> InFlight:
+    """Issue one collective on ``stream`` (see Design note: the collective seam).
+
+    ``launch(async_op)`` calls the comm; ``tensor`` is what the check and the tracer
+    describe (the all-gather output, the reduce-scatter input, the all-reduced tensor).
+    ``host_wait`` keeps the ``Work`` for a later host-side wait on accelerators too (torch's
+    ``unshard(async_op=True)``); on CPU it is always kept.
+    """
+    if _fault.checks_enabled():
+        _fault.check_collective(group, kind, name, tensor.numel(), tensor.dtype, tensor.device)
+    record = None
+    if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
+        key = trace_key if isinstance(trace_key, str) else trace_key()
+        record = _trace.ACTIVE.collective_issue(kind, key, tensor, group)
+    keep_work = host_wait or tensor.device.type == "cpu"
+    with streams.use(stream):
+        work = launch(keep_work)
+        event = stream.record_event()
+    return InFlight(what, tensor.device, work if keep_work else None, event, record)
+
+
+@dataclass
 class AllGatherResult:
     """An issued all-gather whose copy-out has not run yet."""
 
     output: torch.Tensor  # 1D, world_size * input numel, rank-major
-    work: dist.Work | None
+    in_flight: InFlight | None  # None when nothing was gathered (one rank per shard)
     world_size: int
     split_sizes: list[int]  # each param's numel per rank, in units of ``output``'s dtype
     as_bytes: bool  # output is uint8 because the inputs' dtypes differed
     post_forward: bool  # gathered from the post-forward shards (already in final layout)
+    # The all-gather input when it is not the sharded storage itself (a cast, a
+    # concatenation): read on the all-gather stream, so kept as long as the output.
+    input: torch.Tensor | None = None
 
 
 def all_gather_copy_in(
@@ -306,105 +461,226 @@ def _div_(tensor: torch.Tensor, factor: float | None) -> None:
         tensor.div_(factor)
 
 
-def foreach_reduce(
-    fsdp_params: Sequence[FSDPParam],
-    grads: list[torch.Tensor],
-    reduce_scatter_group: dist.ProcessGroup | None,
-    reduce_scatter_comm: ReduceScatter,
-    orig_dtype: torch.dtype,
-    reduce_dtype: torch.dtype | None,
-    device: torch.device,
-    divide_factor: float | None,
-    all_reduce_group: dist.ProcessGroup | None,
-    all_reduce_grads: bool,
-    partial_reduce_output: torch.Tensor | None,
-    all_reduce_hook: Callable[[torch.Tensor], None] | None,
-    force_sum: bool,
-    group_name: str = "",
-) -> torch.Tensor | None:
-    """Reduce-scatter (then all-reduce for HSDP) one group's gradients into its sharded grads.
+class GradientReduction:
+    """One group's gradient reduction: copy-in, reduce-scatter, (HSDP) all-reduce, the hook,
+    then the sharded gradients; a resumable sequence that pauses at each collective.
 
-    Returns the HSDP partial sum to carry to the next microbatch when ``all_reduce_grads`` is
-    False, else None.
+    ``start()`` fills the reduce-scatter input and issues the first collective; each
+    ``advance()`` waits for the collective in flight and runs on to the next one (or to the
+    end). The comm context decides when to advance: at once on accelerators, where waits are
+    stream-ordered and cost the host nothing; at a later group's post-backward or at the end
+    of backward on CPU, where waiting blocks the host but the backend's threads run the
+    collective meanwhile (see Design note: stream ordering, points 5-7).
     """
-    grad_dtypes = {g.dtype for g in grads}
-    if len(grad_dtypes) != 1:
-        names = ", ".join(p.param_fqn for p in fsdp_params)
-        raise AssertionError(
-            f"FSDP reduce-scatter expects one gradient dtype per group, got {grad_dtypes} for "
-            f"[{names}]"
-        )
-    rdtype = reduce_dtype or grads[0].dtype
-    world = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
-    ar_size = all_reduce_group.size() if all_reduce_group is not None else 1
-    pre, post, rs_op, ar_op = gradient_divide_factors(
-        world, ar_size, rdtype, divide_factor, force_sum
-    )
-    laid_out = [
-        p.grad_for_reduce_scatter(g, world) for p, g in zip(fsdp_params, grads, strict=True)
-    ]
-    out_numel = sum(p.padded_sharded_numel for p in fsdp_params)
-    rs_input = reduce_scatter_comm.allocate((world * out_numel,), dtype=rdtype, device=device)
-    # One kernel: chunk every grad into `world` dim-0 pieces (zero padded), cast, and lay
-    # rank i's pieces side by side in row i.
-    torch._chunk_cat(laid_out, dim=0, num_chunks=world, out=rs_input.view(world, -1))
-    grads.clear()  # the unsharded grads can be freed now
-    del laid_out
-    if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
-        _trace.ACTIVE.grads_reduced()
-    _div_(rs_input, pre)
-    if world > 1:
-        assert reduce_scatter_group is not None
-        output = reduce_scatter_comm.allocate((out_numel,), dtype=rdtype, device=device)
-        if _fault.checks_enabled():
-            _fault.check_collective(
-                reduce_scatter_group, "reduce_scatter", group_name, rs_input.numel(), rdtype
+
+    def __init__(
+        self,
+        fsdp_params: Sequence[FSDPParam],
+        grads: list[torch.Tensor],
+        *,
+        reduce_scatter_group: dist.ProcessGroup | None,
+        reduce_scatter_comm: ReduceScatter,
+        orig_dtype: torch.dtype,
+        reduce_dtype: torch.dtype | None,
+        device: torch.device,
+        divide_factor: float | None,
+        all_reduce_group: dist.ProcessGroup | None,
+        all_reduce_grads: bool,
+        partial_reduce_output: torch.Tensor | None,
+        all_reduce_hook: Callable[[torch.Tensor], None] | None,
+        all_reduce_hook_stream: Any,
+        force_sum: bool,
+        streams: CommStreams,
+        group_name: str,
+        trace_key: str | Callable[[], str],
+        on_done: Callable[[torch.Tensor | None], None],
+    ) -> None:
+        grad_dtypes = {g.dtype for g in grads}
+        if len(grad_dtypes) != 1:
+            names = ", ".join(p.param_fqn for p in fsdp_params)
+            raise AssertionError(
+                f"FSDP reduce-scatter expects one gradient dtype per group, got {grad_dtypes} "
+                f"for [{names}]"
             )
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.reduce_issue("reduce_scatter", rs_input, reduce_scatter_group)
-        work = reduce_scatter_comm(
-            output_tensor=output,
-            input_tensor=rs_input,
-            group=reduce_scatter_group,
-            op=rs_op,
-            async_op=True,
+        self._params = list(fsdp_params)
+        self._grads = grads
+        self._rs_group = reduce_scatter_group
+        self._rs_comm = reduce_scatter_comm
+        self._orig_dtype = orig_dtype
+        self._rdtype = reduce_dtype or grads[0].dtype
+        self._device = device
+        self._divide_factor = divide_factor
+        self._ar_group = all_reduce_group
+        self._all_reduce_grads = all_reduce_grads
+        self._partial = partial_reduce_output
+        self._hook = all_reduce_hook
+        self._hook_stream = all_reduce_hook_stream
+        self._force_sum = force_sum
+        self._streams = streams
+        self._name = group_name
+        self._trace_key = trace_key
+        self._on_done = on_done
+        self._steps: Generator[tuple[InFlight, Any], None, torch.Tensor | None] | None = None
+        self._waiting: tuple[InFlight, Any] | None = None
+        # Kept until the current stream waited for ``reduce_scatter_event`` (point 6).
+        self.reduce_scatter_input: torch.Tensor | None = None
+        self.reduce_scatter_event: Any = None
+        self.post_reduce_event: Any = None
+        self.offload_event: Any = None  # the last non-blocking device-to-host grad copy
+        self.done = False
+
+    @property
+    def in_all_reduce(self) -> bool:
+        """Whether the collective in flight is the all-reduce (the reduce-scatter is done)."""
+        return self._waiting is not None and self._waiting[1] is self._streams.all_reduce
+
+    def start(self) -> None:
+        self._steps = self._run()
+        self._resume()
+
+    def advance(self) -> None:
+        """Wait for the collective in flight, then run until the next one is issued."""
+        if self._waiting is not None:
+            in_flight, stream = self._waiting
+            in_flight.wait(self._streams, stream)
+        self._resume()
+
+    def finish(self) -> None:
+        while not self.done:
+            self.advance()
+
+    def abandon(self) -> None:
+        """After a failed step: wait out what is in flight, run nothing more."""
+        if self._waiting is not None:
+            self._waiting[0].abandon()
+        self._waiting = None
+        if self._steps is not None:
+            self._steps.close()
+        self.done = True
+
+    def _resume(self) -> None:
+        assert self._steps is not None
+        if self.done:
+            return
+        try:
+            self._waiting = next(self._steps)
+        except StopIteration as stop:
+            self._waiting = None
+            self.done = True
+            self._on_done(stop.value)
+
+    def _run(self) -> Generator[tuple[InFlight, Any], None, torch.Tensor | None]:
+        streams, rdtype = self._streams, self._rdtype
+        rs_group, ar_group = self._rs_group, self._ar_group
+        world = rs_group.size() if rs_group is not None else 1
+        ar_size = ar_group.size() if ar_group is not None else 1
+        pre, post, rs_op, ar_op = gradient_divide_factors(
+            world, ar_size, rdtype, self._divide_factor, self._force_sum
         )
-        _fault.wait(work, lambda: f"the reduce-scatter of group '{group_name}'")
-        release_finished_buffer(rs_input, reduce_scatter_comm)
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.reduce_done()
-    else:
-        output = rs_input
-        if divide_factor is not None and pre is None and post is None:
-            # Difference from torch: torch divides by the factor here *and* applies pre/post
-            # factors in the fp16/force-sum cases; we divide exactly once.
-            output = output / divide_factor
-    if all_reduce_group is not None:
-        if not all_reduce_grads:
-            if partial_reduce_output is not None:
-                partial_reduce_output += output
-                return partial_reduce_output
-            return output
-        if partial_reduce_output is not None:
-            output += partial_reduce_output
-        if _fault.checks_enabled():
-            _fault.check_collective(
-                all_reduce_group, "all_reduce", group_name, output.numel(), output.dtype
+        laid_out = [
+            p.grad_for_reduce_scatter(g, world)
+            for p, g in zip(self._params, self._grads, strict=True)
+        ]
+        out_numel = sum(p.padded_sharded_numel for p in self._params)
+        current = streams.current()
+        rs_input = self._rs_comm.allocate((world * out_numel,), dtype=rdtype, device=self._device)
+        # One kernel, on the current stream (where the gradients were computed): chunk every
+        # grad into `world` dim-0 pieces (zero padded), cast, and lay rank i's pieces side by
+        # side in row i.
+        torch._chunk_cat(laid_out, dim=0, num_chunks=world, out=rs_input.view(world, -1))
+        self._grads.clear()  # the unsharded grads can be freed now: the copy-in read them
+        del laid_out
+        if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
+            _trace.ACTIVE.grads_reduced()
+        self.reduce_scatter_input = rs_input
+        rs_stream = streams.reduce_scatter
+        rs_stream.wait_stream(current)
+        with streams.use(rs_stream):
+            _div_(rs_input, pre)
+            output = (
+                self._rs_comm.allocate((out_numel,), dtype=rdtype, device=self._device)
+                if world > 1
+                else rs_input
             )
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.reduce_issue("all_reduce", output, all_reduce_group)
-        work = dist.all_reduce(output, op=ar_op, group=all_reduce_group, async_op=True)
-        _fault.wait(work, lambda: f"the all-reduce of group '{group_name}'")
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.reduce_done()
-    if all_reduce_hook is not None:
-        all_reduce_hook(output)
-    _div_(output, post)
-    if output.dtype != orig_dtype:
-        output = output.to(orig_dtype)
-    offset = 0
-    for fsdp_param in fsdp_params:
-        numel = fsdp_param.padded_sharded_numel
-        fsdp_param.assign_sharded_grad(output.narrow(0, offset, numel))
-        offset += numel
-    return None
+        if world > 1:
+            assert rs_group is not None
+            comm, out = self._rs_comm, output
+
+            def launch(async_op: bool) -> dist.Work | None:
+                return comm(
+                    output_tensor=out,
+                    input_tensor=rs_input,
+                    group=rs_group,
+                    op=rs_op,
+                    async_op=async_op,
+                )
+
+            in_flight = issue(
+                "reduce_scatter",
+                launch,
+                group=rs_group,
+                tensor=rs_input,
+                name=self._name,
+                trace_key=self._trace_key,
+                streams=streams,
+                stream=rs_stream,
+                what=lambda: f"the reduce-scatter of group '{self._name}'",
+            )
+            self.reduce_scatter_event = in_flight.event
+            yield in_flight, rs_stream
+            release_finished_buffer(rs_input, self._rs_comm)
+        else:
+            self.reduce_scatter_event = rs_stream.record_event()
+            if self._divide_factor is not None and pre is None and post is None:
+                # Difference from torch: torch divides by the factor here *and* applies pre/post
+                # factors in the fp16/force-sum cases; we divide exactly once.
+                with streams.use(rs_stream):
+                    output = output / self._divide_factor
+        post_stream = rs_stream
+        if ar_group is not None:
+            with streams.use(rs_stream):
+                if not self._all_reduce_grads:
+                    # HSDP accumulation: keep the partial sum for the synchronized microbatch.
+                    if self._partial is not None:
+                        self._partial += output
+                        output = self._partial
+                    self.post_reduce_event = rs_stream.record_event()
+                    return output
+                if self._partial is not None:
+                    output += self._partial
+            ar_stream = streams.all_reduce
+            ar_stream.wait_stream(rs_stream)
+            reduced = output
+            in_flight = issue(
+                "all_reduce",
+                lambda async_op: collectives_for(self._device).all_reduce(
+                    reduced, ar_group, op=ar_op, async_op=async_op
+                ),
+                group=ar_group,
+                tensor=reduced,
+                name=self._name,
+                trace_key=self._trace_key,
+                streams=streams,
+                stream=ar_stream,
+                what=lambda: f"the all-reduce of group '{self._name}'",
+            )
+            yield in_flight, ar_stream
+            post_stream = ar_stream
+        if self._hook is not None:
+            hook_stream = self._hook_stream or streams.all_reduce
+            hook_stream.wait_stream(post_stream)
+            with streams.use(hook_stream):
+                self._hook(output)
+            post_stream = hook_stream
+        with streams.use(post_stream):
+            _div_(output, post)
+            if output.dtype != self._orig_dtype:
+                output = output.to(self._orig_dtype)
+            offset = 0
+            for fsdp_param in self._params:
+                numel = fsdp_param.padded_sharded_numel
+                if fsdp_param.assign_sharded_grad(output.narrow(0, offset, numel)):
+                    self.offload_event = post_stream.record_event()
+                offset += numel
+            self.post_reduce_event = post_stream.record_event()
+        return None

@@ -641,12 +641,20 @@ class FSDPParam:
             return grad
         return torch.cat(torch.chunk(grad, world_size, dim=self.shard_dim), dim=0)
 
-    def assign_sharded_grad(self, flat_shard: torch.Tensor) -> None:
-        """Set or accumulate ``sharded_param.grad`` from this param's slot of the reduce output."""
+    def assign_sharded_grad(self, flat_shard: torch.Tensor) -> bool:
+        """Set or accumulate ``sharded_param.grad`` from this param's slot of the reduce output.
+
+        Returns whether it issued a non-blocking device-to-host copy (CPU offload into pinned
+        memory), which the caller must order with an event before the CPU optimizer runs.
+        """
         local = self._local_view(flat_shard)
-        if self.offload_to_cpu and local.device.type != "cpu":
-            local = local.to("cpu")
         sharded = self.sharded_param
+        non_blocking = False
+        if self.offload_to_cpu and local.device.type != "cpu":
+            # Pinned and not accumulating: the copy may run behind the host (torch's choice);
+            # accumulating adds on the host right away, so that copy must have landed.
+            non_blocking = self.pin_memory and sharded.grad is None
+            local = local.to("cpu", non_blocking=non_blocking)
         if sharded.grad is None:
             sharded.grad = _dtensor(local, self._sharding_spec)
         else:
@@ -657,6 +665,7 @@ class FSDPParam:
         if hooks:
             for hook in hooks.values():
                 hook(sharded)
+        return non_blocking
 
     def __repr__(self) -> str:
         return f"FSDPParam(fqn={self.param_fqn}, orig_size={tuple(self.orig_size)})"

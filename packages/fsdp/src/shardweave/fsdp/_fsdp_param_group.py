@@ -13,6 +13,7 @@ Design note: flat storage
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,18 +22,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from shardweave.fsdp import _fault, _trace
+from shardweave.fsdp import _trace
 from shardweave.fsdp._fsdp_collectives import (
     AllGatherResult,
     DefaultAllGather,
     DefaultReduceScatter,
+    GradientReduction,
+    InFlight,
     ProcessGroupAllocAllGather,
     ProcessGroupAllocReduceScatter,
     SymmMemAllGather,
     SymmMemReduceScatter,
     all_gather_copy_in,
     all_gather_copy_out,
-    foreach_reduce,
+    issue,
     release_finished_buffer,
 )
 from shardweave.fsdp._fsdp_common import (
@@ -43,6 +46,7 @@ from shardweave.fsdp._fsdp_common import (
     replace_grad_tensors,
 )
 from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
+from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
 from shardweave.fsdp._grad_buckets import GradBuckets
 from shardweave.mesh import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
@@ -59,7 +63,9 @@ __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
 
 
 class FSDPCommContext:
-    """Communication state shared by every group under one root."""
+    """Communication state shared by every group under one root: its streams, the buffers
+    other streams still read, and the gradient reductions in flight (see Design note: stream
+    ordering in ``_fsdp_streams``)."""
 
     def __init__(self) -> None:
         # Groups in post-forward order, with repetition: the implicit backward prefetch target
@@ -67,6 +73,92 @@ class FSDPCommContext:
         self.post_forward_order: list[FSDPParamGroup] = []
         self.reduce_scatter_max_input_buffers = 1
         self.grad_buckets = GradBuckets()
+        self._streams: CommStreams | None = None
+        # Point 3: the last forward all-gather's buffers and its copy-out event.
+        self.all_gather_state: tuple[AllGatherResult, Any] | None = None
+        # Point 6: reductions whose reduce-scatter input is still referenced, oldest first;
+        # then those whose all-reduce is in flight (CPU only: on accelerators every reduction
+        # runs to its end at issue, ordered by events).
+        self._reduce_scatters: deque[GradientReduction] = deque()
+        self._all_reduces: list[GradientReduction] = []
+        self._post_reduce_events: list[Any] = []
+        self._offload_event: Any = None
+
+    def streams(self, device: torch.device) -> CommStreams:
+        """This context's streams, created on first use (from the device module then in effect)."""
+        if self._streams is None:
+            self._streams = CommStreams(device)
+        return self._streams
+
+    def wait_for_previous_all_gather(self) -> None:
+        """Point 3: the all-gather streams wait for the last forward copy-out, whose buffers
+        can then be dropped."""
+        state, self.all_gather_state = self.all_gather_state, None
+        if state is not None and self._streams is not None:
+            wait_event(self._streams.all_gather_copy_in, state[1])
+            wait_event(self._streams.all_gather, state[1])
+
+    def start_reduction(self, reduction: GradientReduction, device: torch.device) -> None:
+        """Point 6: make room (at most ``reduce_scatter_max_input_buffers`` reduce-scatter
+        inputs alive), then copy in and issue ``reduction``."""
+        self._finish_all_reduces()
+        while len(self._reduce_scatters) >= self.reduce_scatter_max_input_buffers:
+            self._retire_reduce_scatter(self._reduce_scatters.popleft())
+        reduction.start()
+        if device.type != "cpu":
+            reduction.finish()  # stream-ordered: the host does not wait
+        self._reduce_scatters.append(reduction)
+
+    def finish_reductions(self) -> None:
+        """Point 7, at the end of backward: finish every reduction, make the current stream
+        wait for their results, and the host for the last offloaded gradient copy."""
+        self._finish_all_reduces()
+        while self._reduce_scatters:
+            reduction = self._reduce_scatters.popleft()
+            reduction.finish()
+            self._retire_reduce_scatter(reduction)
+        if self._streams is not None:
+            current = self._streams.current()
+            for event in self._post_reduce_events:
+                wait_event(current, event)
+        self._post_reduce_events.clear()
+        if self._offload_event is not None:
+            # The CPU optimizer reads the offloaded gradients next: they must have landed.
+            self._offload_event.synchronize()
+            self._offload_event = None
+
+    def abandon_reductions(self) -> None:
+        """After a failed step: wait out what is in flight and drop it."""
+        for reduction in (*self._all_reduces, *self._reduce_scatters):
+            reduction.abandon()
+        self._all_reduces.clear()
+        self._reduce_scatters.clear()
+        self._post_reduce_events.clear()
+        self._offload_event = None
+        self.all_gather_state = None
+
+    def _finish_all_reduces(self) -> None:
+        # Issued at the previous post-backward: they overlapped one group's backward.
+        for reduction in self._all_reduces:
+            reduction.finish()
+            self._finished(reduction)
+        self._all_reduces.clear()
+
+    def _retire_reduce_scatter(self, reduction: GradientReduction) -> None:
+        if not reduction.done and not reduction.in_all_reduce:
+            reduction.advance()  # wait for the reduce-scatter; may issue the all-reduce
+        assert self._streams is not None
+        wait_event(self._streams.current(), reduction.reduce_scatter_event)
+        reduction.reduce_scatter_input = None  # the current stream may reuse its memory now
+        if reduction.done:
+            self._finished(reduction)
+        else:
+            self._all_reduces.append(reduction)
+
+    def _finished(self, reduction: GradientReduction) -> None:
+        self._post_reduce_events.append(reduction.post_reduce_event)
+        if reduction.offload_event is not None:
+            self._offload_event = reduction.offload_event
 
 
 class FSDPParamGroup:
@@ -141,6 +233,9 @@ class FSDPParamGroup:
         self._all_gather_comm: AllGather = DefaultAllGather()
         self._reduce_scatter_comm: ReduceScatter = DefaultReduceScatter()
         self._all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self._all_reduce_hook_stream: Any = None  # set_all_reduce_hook(stream=...)
+        # Point 4: recorded by an int reshard_after_forward, waited by the next unshard.
+        self._reshard_after_forward_event: Any = None
         self._flatten_sharded_storage()
 
     # --- communication controls ---------------------------------------------------------------
@@ -367,37 +462,70 @@ class FSDPParamGroup:
             assert self._flat_sharded is not None
             self._all_gather_result = AllGatherResult(self._flat_sharded, None, 1, [], False, False)
             return
+        streams = self.comm_ctx.streams(self.device)
+        copy_in_stream, all_gather_stream = self._all_gather_streams(async_op)
+        # Points 3 and 4: the previous copy-out and a post-forward reshard read or wrote
+        # memory the all-gather streams are about to reuse or read.
+        self.comm_ctx.wait_for_previous_all_gather()
+        event, self._reshard_after_forward_event = self._reshard_after_forward_event, None
+        wait_event(copy_in_stream, event)
+        wait_event(all_gather_stream, event)
         flat = self._flat_sharded if self._param_dtypes_uniform else None
-        inp, sizes, as_bytes = all_gather_copy_in(
-            self.fsdp_params, flat, self._uniform_param_dtype, self.device, post_forward
-        )
+        with streams.use(copy_in_stream):
+            inp, sizes, as_bytes = all_gather_copy_in(
+                self.fsdp_params, flat, self._uniform_param_dtype, self.device, post_forward
+            )
         world = info.shard_mesh_size if isinstance(info, FSDPMeshInfo) else 1
         if _trace.ACTIVE is not None:
             _trace.ACTIVE.copy_in_end(self, inp, world)
-        work: dist.Work | None = None
+        kept_input = None if inp is flat else inp
         if world == 1 or not isinstance(info, FSDPMeshInfo):
-            output = inp
-        else:
-            if _fault.checks_enabled():
-                _fault.check_collective(
-                    info.shard_process_group, "all_gather", self._fqn, inp.numel(), inp.dtype
-                )
+            # No collective: the copy-out reads the copy-in's result directly.
+            done = InFlight(self._fqn, self.device, None, copy_in_stream.record_event())
+            self._all_gather_result = AllGatherResult(
+                inp, done, world, sizes, as_bytes, post_forward, kept_input
+            )
+            return
+        all_gather_stream.wait_stream(copy_in_stream)
+        with streams.use(all_gather_stream):
             output = self._all_gather_comm.allocate(
                 (world * inp.numel(),), dtype=inp.dtype, device=self.device
             )
-            if _trace.ACTIVE is not None:
-                _trace.ACTIVE.all_gather_issue(self, output, info.shard_process_group)
-            # Always asynchronous: the wait happens at wait_for_unshard, so a prefetched
-            # all-gather overlaps compute even on gloo (which runs collectives on its own thread).
-            work = self._all_gather_comm(
-                output_tensor=output,
-                input_tensor=inp,
-                group=info.shard_process_group,
-                async_op=True,
-            )
-        self._all_gather_result = AllGatherResult(
-            output, work, world, sizes, as_bytes, post_forward
+        comm, pg = self._all_gather_comm, info.shard_process_group
+
+        def launch(async_op: bool) -> dist.Work | None:
+            return comm(output_tensor=output, input_tensor=inp, group=pg, async_op=async_op)
+
+        # Never waited here: the wait is at wait_for_unshard, so a prefetched all-gather
+        # overlaps compute (on CPU too, where gloo runs collectives on its own threads).
+        in_flight = issue(
+            "all_gather",
+            launch,
+            group=pg,
+            tensor=output,
+            name=self._fqn,
+            trace_key=lambda: _trace.group_key(self),
+            streams=streams,
+            stream=all_gather_stream,
+            what=lambda: f"the all-gather of group '{self._fqn}'",
+            host_wait=async_op,
         )
+        self._all_gather_result = AllGatherResult(
+            output, in_flight, world, sizes, as_bytes, post_forward, kept_input
+        )
+
+    def _all_gather_streams(self, async_op: bool) -> tuple[Any, Any]:
+        """(copy-in, all-gather) streams: the side streams for a synchronous unshard in
+        forward or pre-backward, else the current stream for both (as torch's FSDP2: an
+        explicit ``unshard()`` runs where its caller runs)."""
+        streams = self.comm_ctx.streams(self.device)
+        if not async_op and self._training_state in (
+            TrainingState.FORWARD,
+            TrainingState.PRE_BACKWARD,
+        ):
+            return streams.all_gather_copy_in, streams.all_gather
+        current = streams.current()
+        return current, current
 
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather: copy out and register the unsharded parameters."""
@@ -406,7 +534,10 @@ class FSDPParamGroup:
             return
         if _trace.ACTIVE is not None:
             _trace.ACTIVE.wait_begin(self)
-        _fault.wait(result.work, lambda: f"the all-gather of group '{self._fqn}'")
+        streams = self.comm_ctx.streams(self.device)
+        current = streams.current()
+        if result.in_flight is not None:
+            result.in_flight.wait(streams, current)
         if _trace.ACTIVE is not None:
             _trace.ACTIVE.all_gather_done(self)
         self._all_gather_result = None
@@ -416,7 +547,15 @@ class FSDPParamGroup:
             # counter, or autograd would reject the parameters it saved in forward.
             with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):
                 all_gather_copy_out(result, self.fsdp_params)
-            if result.work is not None:  # else the output is the sharded storage itself
+            copy_out_event = current.record_event()
+            # Point 3: the all-gather streams must not reuse these buffers before the copy-out.
+            self.comm_ctx.wait_for_previous_all_gather()
+            if self._training_state == TrainingState.FORWARD:
+                self.comm_ctx.all_gather_state = (result, copy_out_event)
+            else:
+                wait_event(streams.all_gather_copy_in, copy_out_event)
+                wait_event(streams.all_gather, copy_out_event)
+            if result.in_flight is not None and result.in_flight.work is not None:
                 release_finished_buffer(result.output, self._all_gather_comm)
         for p in self.fsdp_params:
             p.init_unsharded_param()
@@ -446,6 +585,9 @@ class FSDPParamGroup:
         if self._sharded_state == ShardedState.UNSHARDED:
             for p in self.fsdp_params:
                 p.to_sharded_post_forward()
+            # Point 4: the copies ran on the current stream; the next unshard reads them.
+            streams = self.comm_ctx.streams(self.device)
+            self._reshard_after_forward_event = streams.current().record_event()
             self._sharded_state = ShardedState.SHARDED_POST_FORWARD
             if _trace.ACTIVE is not None:
                 _trace.ACTIVE.reshard(self)
@@ -510,6 +652,7 @@ class FSDPParamGroup:
         if not with_grad:
             return
         assert self._orig_dtype is not None
+        streams = self.comm_ctx.streams(self.device)
         if self._can_bucket():
             group = self._all_reduce_group
             assert group is not None
@@ -520,27 +663,35 @@ class FSDPParamGroup:
                 group,
                 self._reduce_dtype or grads[0].dtype,
                 self._orig_dtype,
-                self.device,
+                streams,
             )
             return
         if _trace.ACTIVE is not None:
             _trace.ACTIVE.grads_taken(self, grads)
-        self._partial_reduce_output = foreach_reduce(
+        reduction = GradientReduction(
             with_grad,
             grads,
-            self._reduce_scatter_group,
-            self._reduce_scatter_comm,
-            self._orig_dtype,
-            self._reduce_dtype,
-            self.device,
-            self.gradient_divide_factor,
-            self._all_reduce_group,
-            self.all_reduce_grads,
-            self._partial_reduce_output,
-            self._all_reduce_hook,
-            self.force_sum_reduction_for_comms,
-            self._fqn,
+            reduce_scatter_group=self._reduce_scatter_group,
+            reduce_scatter_comm=self._reduce_scatter_comm,
+            orig_dtype=self._orig_dtype,
+            reduce_dtype=self._reduce_dtype,
+            device=self.device,
+            divide_factor=self.gradient_divide_factor,
+            all_reduce_group=self._all_reduce_group,
+            all_reduce_grads=self.all_reduce_grads,
+            partial_reduce_output=self._partial_reduce_output,
+            all_reduce_hook=self._all_reduce_hook,
+            all_reduce_hook_stream=self._all_reduce_hook_stream,
+            force_sum=self.force_sum_reduction_for_comms,
+            streams=streams,
+            group_name=self._fqn,
+            trace_key=lambda: _trace.group_key(self),
+            on_done=self._set_partial_reduce_output,
         )
+        self.comm_ctx.start_reduction(reduction, self.device)
+
+    def _set_partial_reduce_output(self, partial: torch.Tensor | None) -> None:
+        self._partial_reduce_output = partial
 
     def _aliases_shards(self) -> bool:
         """Whether unsharding can view the shards in place: one rank per shard, one flat
@@ -575,8 +726,14 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is not None:
             # A prefetch nobody consumed (mistargeted): finish it so the buffer is released.
-            if result.work is not None:
-                result.work.wait()
+            if result.in_flight is not None:
+                streams = self.comm_ctx.streams(self.device)
+                current = streams.current()
+                result.in_flight.wait(streams, current)
+                # Point 3: dropping the buffers lets the all-gather streams reuse them.
+                event = current.record_event()
+                wait_event(streams.all_gather_copy_in, event)
+                wait_event(streams.all_gather, event)
             self._all_gather_result = None
             if _trace.ACTIVE is not None:
                 _trace.ACTIVE.discard_unshard(self)
@@ -585,13 +742,13 @@ class FSDPParamGroup:
     def reset_iter_state(self) -> None:
         """Drop in-flight work and pending reductions after a failed step."""
         result = self._all_gather_result
-        if result is not None and result.work is not None:
-            with contextlib.suppress(Exception):
-                result.work.wait()
+        if result is not None and result.in_flight is not None:
+            result.in_flight.abandon()
         if result is not None and _trace.ACTIVE is not None:
             _trace.ACTIVE.discard_unshard(self)
         self._all_gather_result = None
         self._partial_reduce_output = None
+        self._reshard_after_forward_event = None
         self._post_forward_indices.clear()
         for p in self.fsdp_params:
             p.unsharded_accumulated_grad = None

@@ -22,6 +22,7 @@ from shardweave.fsdp._fsdp_common import (
     collect_grad_tensors,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
+from shardweave.fsdp._fsdp_streams import wait_event
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
@@ -233,12 +234,13 @@ class FSDPState:
                 group.comm_ctx = self._comm_ctx
                 group._param_group_index = i
                 group._num_param_groups = count
+        self.update_reduce_scatter_max_input_buffers()
+
+    def update_reduce_scatter_max_input_buffers(self) -> None:
+        """The shared comm context keeps the largest count any of its groups asked for."""
+        states = self._state_ctx.all_states or [self]
         self._comm_ctx.reduce_scatter_max_input_buffers = max(
-            (
-                g.reduce_scatter_max_input_buffers
-                for s in self._state_ctx.all_states
-                for g in s._fsdp_param_groups
-            ),
+            (g.reduce_scatter_max_input_buffers for s in states for g in s._fsdp_param_groups),
             default=1,
         )
 
@@ -291,8 +293,17 @@ class FSDPState:
             return
         self._state_ctx.iter_forward_root = self
         _fault.new_step()
-        # On CPU everything runs on one stream, so the post-optimizer event needs no wait.
-        self._state_ctx.post_optim_event = None
+        # See Design note: stream ordering (_fsdp_streams), point 1: the optimizer wrote the
+        # shards that this iteration's all-gathers read.
+        streams = self._comm_ctx.streams(self._device)
+        event, self._state_ctx.post_optim_event = self._state_ctx.post_optim_event, None
+        if event is not None:
+            wait_event(streams.all_gather_copy_in, event)
+            wait_event(streams.all_gather, event)
+        else:
+            current = streams.current()
+            streams.all_gather_copy_in.wait_stream(current)
+            streams.all_gather.wait_stream(current)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
@@ -307,6 +318,7 @@ class FSDPState:
         self._training_state = TrainingState.IDLE
         if self._state_ctx.iter_forward_root is self:
             self._complete_unfinished_states(output)
+            self._comm_ctx.wait_for_previous_all_gather()  # the forward's last copy-out
             self._state_ctx.iter_forward_root = None
         return self._cast_output(output)
 
@@ -384,7 +396,8 @@ class FSDPState:
                         group.post_backward()
                     group._training_state = TrainingState.IDLE
                 state._training_state = TrainingState.IDLE
-            self._comm_ctx.grad_buckets.finish(self._device)
+            self._comm_ctx.grad_buckets.finish()
+            self._comm_ctx.finish_reductions()
             if ctx.is_last_backward:
                 for state in ctx.all_states:
                     for group in state._fsdp_param_groups:
@@ -409,5 +422,6 @@ class FSDPState:
             for group in state._fsdp_param_groups:
                 group.reset_iter_state()
         self._comm_ctx.grad_buckets.clear()
+        self._comm_ctx.abandon_reductions()
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False

@@ -544,8 +544,16 @@ class FSDPModule:
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next forward's all-gathers wait on ``event`` rather than the whole stream.
 
-        The engine issues collectives on the current stream, so ordering after the optimizer is
-        already guaranteed; the event is accepted for API compatibility.
+        By default the root's next forward makes the all-gather streams wait for everything
+        queued on the current stream (the optimizer step and whatever follows it). Record an
+        event right after the optimizer step and pass it here to let the first all-gathers
+        overlap the work queued after it. Applies once, to the next forward. On CPU streams
+        record no events, so this changes nothing there.
+
+        Example::
+
+            optim.step()
+            model.set_post_optim_event(torch.cuda.current_stream().record_event())
         """
         self._get_fsdp_state()._state_ctx.post_optim_event = event
 
@@ -566,7 +574,11 @@ class FSDPModule:
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
     ) -> None:
-        """Call ``hook(reduced_flat_grads)`` after the reduce-scatter (and HSDP all-reduce)."""
+        """Call ``hook(reduced_flat_grads)`` after the reduce-scatter (and HSDP all-reduce).
+
+        The hook runs on the all-reduce stream, or on ``stream`` when given (which first waits
+        for the reduce-scatter), before the gradients are divided and assigned.
+        """
         if not callable(hook):
             raise TypeError(
                 f"set_all_reduce_hook: hook must be callable, got {hook!r} "
@@ -582,6 +594,7 @@ class FSDPModule:
                 "after HSDP's own all-reduce); omit stream"
             )
         group._all_reduce_hook = hook
+        group._all_reduce_hook_stream = stream
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
@@ -616,9 +629,10 @@ class FSDPModule:
     ) -> None:
         """How many reduce-scatter input buffers may stay in flight (default 1).
 
-        More buffers let a slow reduce-scatter overlap the next copy-in at the cost of memory.
-        The engine reduces synchronously on the current stream, so the value only matters for
-        parity with torch (it is resolved once, at root lazy init, as the maximum over groups).
+        A group's post-backward first waits for the oldest reductions until fewer than this
+        many reduce-scatter inputs remain referenced, then issues its own. More buffers let a
+        slow reduce-scatter overlap more of backward, at the cost of one group's gradients in
+        memory per extra buffer. Groups under one root share the largest value any of them set.
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
@@ -638,6 +652,8 @@ class FSDPModule:
                 group.check_symm_mem_buffers(max_input_buffers)
         for group in groups:
             group.reduce_scatter_max_input_buffers = max_input_buffers
+        for module in self._fsdp_modules(recurse):
+            module._get_fsdp_state().update_reduce_scatter_max_input_buffers()
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True

@@ -13,7 +13,6 @@ Design note: why buckets
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,13 +20,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _fault, _trace
-from shardweave.fsdp._fsdp_collectives import gradient_divide_factors
+from shardweave.fsdp import _trace
+from shardweave.fsdp._fsdp_collectives import (
+    InFlight,
+    collectives_for,
+    gradient_divide_factors,
+    issue,
+)
+from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_param import FSDPParam
     from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
-    from shardweave.fsdp._trace import CollectiveRecord
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradBuckets"]
 
@@ -53,9 +57,8 @@ class _Bucket:
     entries: list[_Entry] = field(default_factory=list)
     numel: int = 0
     buffer: torch.Tensor | None = None
-    work: dist.Work | None = None
+    in_flight: InFlight | None = None
     post_divide: float | None = None
-    record: CollectiveRecord | None = None  # when tracing
 
 
 class GradBuckets:
@@ -65,6 +68,7 @@ class GradBuckets:
         self._open: dict[tuple[dist.ProcessGroup, torch.dtype], _Bucket] = {}
         self._in_flight: list[_Bucket] = []
         self._sent_bytes = 0  # this backward: decides whether the small first cap applies
+        self._streams: CommStreams | None = None
 
     def add(
         self,
@@ -74,9 +78,11 @@ class GradBuckets:
         group: dist.ProcessGroup,
         reduce_dtype: torch.dtype,
         orig_dtype: torch.dtype,
-        device: torch.device,
+        streams: CommStreams,
     ) -> None:
         """Queue ``owner``'s gradients (``grads`` is emptied: the bucket owns them now)."""
+        self._streams = streams
+        device = grads[0].device
         key = (group, reduce_dtype)
         bucket = self._open.get(key)
         if bucket is None:
@@ -94,6 +100,10 @@ class GradBuckets:
             self._send(bucket, device)
 
     def _send(self, bucket: _Bucket, device: torch.device) -> None:
+        # See Design note: stream ordering (_fsdp_streams): filled on the current stream,
+        # reduced on the all-reduce stream, which first waits for the current one.
+        streams = self._streams
+        assert streams is not None
         buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
         sources = [g.reshape(-1) for e in bucket.entries for g in e.grads]
         views = list(torch.split(buffer, [s.numel() for s in sources]))
@@ -105,55 +115,69 @@ class GradBuckets:
         pre, post, _, op = gradient_divide_factors(
             1, bucket.group.size(), bucket.dtype, None, False
         )
-        if pre is not None and pre != 1:
-            buffer.div_(pre)
-        if _fault.checks_enabled():
-            names = ",".join(e.name for e in bucket.entries)
-            _fault.check_collective(bucket.group, "all_reduce", names, buffer.numel(), buffer.dtype)
-        if _trace.ACTIVE is not None:
-            keys = [e.trace_key or e.name for e in bucket.entries]
-            bucket.record = _trace.ACTIVE.bucket_issue(keys, buffer, bucket.group)
-        bucket.work = dist.all_reduce(buffer, op=op, group=bucket.group, async_op=True)
+        stream = streams.all_reduce
+        stream.wait_stream(streams.current())
+        with streams.use(stream):
+            if pre is not None and pre != 1:
+                buffer.div_(pre)
+        names = ", ".join(f"'{e.name}'" for e in bucket.entries)
+        group = bucket.group
+        bucket.in_flight = issue(
+            "all_reduce",
+            lambda async_op: collectives_for(device).all_reduce(
+                buffer, group, op=op, async_op=async_op
+            ),
+            group=group,
+            tensor=buffer,
+            name=",".join(e.name for e in bucket.entries),
+            trace_key=lambda: "+".join(e.trace_key or e.name for e in bucket.entries),
+            streams=streams,
+            stream=stream,
+            what=f"the gradient all-reduce of {names}",
+        )
         bucket.buffer, bucket.post_divide = buffer, post
         self._sent_bytes += buffer.numel() * buffer.element_size()
         self._in_flight.append(bucket)
 
-    def finish(self, device: torch.device) -> None:
+    def finish(self) -> None:
         """Send what is open, wait for every bucket, and assign each parameter its gradient."""
         for bucket in list(self._open.values()):
-            self._send(bucket, device)
+            assert bucket.entries and bucket.entries[0].grads
+            self._send(bucket, bucket.entries[0].grads[0].device)
         self._open.clear()
         in_flight, self._in_flight = self._in_flight, []
         self._sent_bytes = 0
+        streams = self._streams
+        if streams is None:
+            return
+        stream = streams.all_reduce
         for bucket in in_flight:
-            what = "the gradient all-reduce of " + ", ".join(f"'{e.name}'" for e in bucket.entries)
-            tracer = _trace.ACTIVE if bucket.record is not None else None
-            wait_ns = tracer.now() if tracer is not None else 0
-            _fault.wait(bucket.work, what)
-            if tracer is not None and bucket.record is not None:
-                tracer.bucket_done(bucket.record, wait_ns)
+            assert bucket.in_flight is not None and bucket.buffer is not None
+            bucket.in_flight.wait(streams, stream)
             buffer = bucket.buffer
-            assert buffer is not None
-            if bucket.post_divide is not None and bucket.post_divide != 1:
-                buffer.div_(bucket.post_divide)
-            offset = 0
-            for entry in bucket.entries:
-                size = sum(p.padded_sharded_numel for p in entry.params)
-                out = buffer.narrow(0, offset, size)
-                if out.dtype != entry.orig_dtype:
-                    out = out.to(entry.orig_dtype)
-                inner = 0
-                for p in entry.params:
-                    p.assign_sharded_grad(out.narrow(0, inner, p.padded_sharded_numel))
-                    inner += p.padded_sharded_numel
-                offset += size
+            with streams.use(stream):
+                if bucket.post_divide is not None and bucket.post_divide != 1:
+                    buffer.div_(bucket.post_divide)
+                offset = 0
+                for entry in bucket.entries:
+                    size = sum(p.padded_sharded_numel for p in entry.params)
+                    out = buffer.narrow(0, offset, size)
+                    if out.dtype != entry.orig_dtype:
+                        out = out.to(entry.orig_dtype)
+                    inner = 0
+                    for p in entry.params:
+                        p.assign_sharded_grad(out.narrow(0, inner, p.padded_sharded_numel))
+                        inner += p.padded_sharded_numel
+                    offset += size
+        if in_flight:
+            # The optimizer reads the gradients on the current stream.
+            wait_event(streams.current(), stream.record_event())
 
     def clear(self) -> None:
         """Drop everything (after a failed step); in-flight reductions are waited out."""
         for bucket in self._in_flight:
-            if bucket.work is not None:
-                with contextlib.suppress(Exception):
-                    bucket.work.wait()
+            if bucket.in_flight is not None:
+                bucket.in_flight.abandon()
         self._open.clear()
         self._in_flight.clear()
         self._sent_bytes = 0

@@ -37,8 +37,9 @@ Design note: traced quantities
       (``set_requires_gradient_sync(False)``) are not counted.
     - *Collective time*: issue (just before the call) to completion (the wait returned).
       *Exposed* time: the part the host thread spent blocked in the wait: for the all-gather
-      from entering ``wait_for_unshard`` to completion; the reduce-scatter and all-reduce are
-      waited right after being issued, so their exposed time is their whole time.
+      from entering ``wait_for_unshard`` to completion; for the reduce-scatter and all-reduce
+      from entering their wait (at a later group's post-backward or the end of backward) to
+      completion. On accelerators nothing waits on the host, so nothing is exposed there.
     - *Copy-in*: building the all-gather input (a cast of the flat shard buffer, or a
       per-parameter concatenation). *Copy-out*: from all-gather completion until the
       unsharded parameters are registered (allocating them, splitting the output into them).
@@ -190,6 +191,16 @@ class _Unshard:
     copy_out_ns: int | None = None
 
 
+def now() -> int:
+    """The active tracer's clock (0 with none): for records completed outside the tracer."""
+    return ACTIVE.now() if ACTIVE is not None else 0
+
+
+def group_key(group: FSDPParamGroup) -> str:
+    """The tracer's key for ``group`` (see Design note: traced quantities)."""
+    return _group_key(group)
+
+
 def _group_key(group: FSDPParamGroup) -> str:
     fqn = group._fqn
     return fqn if group._num_param_groups == 1 else f"{fqn}#{group._param_group_index}"
@@ -241,9 +252,8 @@ class FSDPTracer:
         self._grads = 0
         self._live: dict[str, int] = {}  # group key -> gathered bytes it holds
         self._unshards: dict[str, _Unshard] = {}
-        self._reducing = ""  # the group whose gradients foreach_reduce is reducing
+        self._reducing = ""  # the group whose gradient reduction is starting
         self._reducing_grad_bytes = 0
-        self._reduce: CollectiveRecord | None = None
         self._ranks: dict[int, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
         self._running = False
 
@@ -324,17 +334,19 @@ class FSDPTracer:
             )
         self._change(now, key, "unshard", world * _nbytes(all_gather_input))
 
-    def all_gather_issue(
-        self, group: FSDPParamGroup, output: torch.Tensor, pg: dist.ProcessGroup
-    ) -> None:
-        key = _group_key(group)
+    def collective_issue(
+        self, kind: str, key: str, tensor: torch.Tensor, pg: dist.ProcessGroup
+    ) -> CollectiveRecord:
+        """The collective seam issued ``kind`` for ``key`` (its wait completes the record)."""
         record = CollectiveRecord(
-            "all_gather", key, self._step, _nbytes(output), self._group_ranks(pg), self.now()
+            kind, key, self._step, _nbytes(tensor), self._group_ranks(pg), self.now()
         )
         self.collectives.append(record)
-        pending = self._unshards.get(key)
-        if pending is not None:
-            pending.collective = record
+        if kind == "all_gather":
+            pending = self._unshards.get(key)
+            if pending is not None:
+                pending.collective = record
+        return record
 
     def wait_begin(self, group: FSDPParamGroup) -> None:
         pending = self._unshards.get(_group_key(group))
@@ -350,10 +362,8 @@ class FSDPTracer:
         if pending is None:
             return
         pending.copy_out_ns = now
-        if pending.collective is not None:
-            pending.collective.complete_ns = now
-            if pending.wait_ns is not None:
-                self.spans.append(SpanRecord("wait", "wait", key, self._step, pending.wait_ns, now))
+        if pending.collective is not None and pending.wait_ns is not None:
+            self.spans.append(SpanRecord("wait", "wait", key, self._step, pending.wait_ns, now))
 
     def unshard_end(self, group: FSDPParamGroup) -> None:
         now = self.now()
@@ -389,20 +399,6 @@ class FSDPTracer:
         self._change(self.now(), self._reducing, "grads_reduced", -self._reducing_grad_bytes)
         self._reducing_grad_bytes = 0
 
-    def reduce_issue(self, kind: str, tensor: torch.Tensor, pg: dist.ProcessGroup) -> None:
-        now = self.now()
-        # Waited right after issue: the host is blocked for the whole collective.
-        record = CollectiveRecord(
-            kind, self._reducing, self._step, _nbytes(tensor), self._group_ranks(pg), now, now
-        )
-        self.collectives.append(record)
-        self._reduce = record
-
-    def reduce_done(self) -> None:
-        if self._reduce is not None:
-            self._reduce.complete_ns = self.now()
-            self._reduce = None
-
     # Replicate gradient buckets (``_grad_buckets``): one all-reduce for several groups, issued
     # asynchronously and waited at the end of backward.
     def bucket_grads(self, group: FSDPParamGroup, nbytes: int) -> str:
@@ -412,24 +408,6 @@ class FSDPTracer:
 
     def bucket_grads_copied(self, key: str, nbytes: int) -> None:
         self._change(self.now(), key, "grads_reduced", -nbytes)
-
-    def bucket_issue(
-        self, keys: list[str], buffer: torch.Tensor, pg: dist.ProcessGroup
-    ) -> CollectiveRecord:
-        record = CollectiveRecord(
-            "all_reduce",
-            "+".join(keys),
-            self._step,
-            _nbytes(buffer),
-            self._group_ranks(pg),
-            self.now(),
-        )
-        self.collectives.append(record)
-        return record
-
-    def bucket_done(self, record: CollectiveRecord, wait_ns: int) -> None:
-        record.wait_ns = wait_ns
-        record.complete_ns = self.now()
 
     def time_hook(
         self, name: str, owner: object, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs
