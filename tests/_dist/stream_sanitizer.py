@@ -30,10 +30,18 @@ the pattern of torch's FSDP2.
 
 What is not modelled:
 
-* Host-side waits: ``Work.wait()`` and the blocking of gloo are invisible. On NCCL,
+* Host-side waits: ``Work.wait()`` and the blocking of gloo order no stream. On NCCL,
   ``Work.wait()`` makes the *current* stream wait for NCCL's internal stream; here the
-  collective already runs on the issuing stream, so an engine that relies on ``Work.wait()``
-  from another stream (instead of an event) would be reported.
+  collective already runs on the issuing stream, so an engine that relied on ``Work.wait()``
+  from another stream (instead of an event) would be reported. gloo finishes some
+  collectives inside ``Work.wait()`` on the calling thread (the reduce-scatter copies its
+  result into the output there); the ops run inside ``dist.Work.wait`` are not recorded,
+  since the collective's write was recorded at issue (``Work.wait`` is wrapped while the
+  sanitizer is active).
+* Memory reuse across streams: a block freed while another stream may still read it, then
+  reused by the allocating stream (the hazard the caching allocator's stream bookkeeping and
+  the engine's "keep the buffer until the consumer waited" rule guard against) is not seen,
+  as CSAN on CUDA does not see it either: reuse starts a fresh history (see next point).
 * Memory lifetime: CPU has no caching-allocator callbacks. A storage's address is its identity,
   and freed addresses come back, so an old access at a reused address would look like a race
   on the new tensor. Allocation is therefore inferred: an op output that aliases no input
@@ -243,8 +251,9 @@ class FakeDeviceModule:
     Args:
         drop_waits_from: qualified names of functions (``"FSDPParamGroup.wait_for_unshard"``)
             whose stream waits are silently skipped: the mutation tests remove one wait of the
-            engine this way and expect a race. Matched against the direct caller of
-            ``wait_event`` / ``wait_stream`` / ``FakeEvent.wait``.
+            engine this way and expect a race. Matched against the function that called
+            ``wait_event`` / ``wait_stream`` / ``FakeEvent.wait``, directly or through the
+            engine's one-line helper ``_fsdp_streams.wait_event``.
     """
 
     def __init__(self, drop_waits_from: Collection[str] = ()) -> None:
@@ -302,9 +311,18 @@ class FakeDeviceModule:
         return False
 
 
+# Modules of one-line wait helpers (``_fsdp_streams.wait_event`` skips None events): the
+# caller that matters for ``drop_waits_from`` is the engine function that called the helper.
+_WAIT_HELPER_MODULES: Final[frozenset[str]] = frozenset({"shardweave.fsdp._fsdp_streams"})
+
+
 def _caller_qualname() -> str:
+    """The qualified name of the function that asked for a wait, past the wait helpers."""
     # Frame 0 is this function, 1 the fake's wait method, 2 the code that asked for the wait.
-    code = sys._getframe(2).f_code
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_globals.get("__name__") in _WAIT_HELPER_MODULES:
+        frame = frame.f_back
+    code = frame.f_code
     return str(getattr(code, "co_qualname", code.co_name))  # co_qualname: Python >= 3.11
 
 

@@ -1,0 +1,155 @@
+"""Training scenarios run under the CPU stream sanitizer (``tests/_dist/stream_sanitizer.py``).
+
+Shared by ``world_2/test_stream_order.py`` and ``world_4/test_stream_order.py``. A scenario is a
+small config dict; :func:`train` runs it for a few steps, with or without the sanitizer, and
+returns every loss, local gradient shard and final local parameter shard, so a test can check
+that the fake streams changed nothing numerically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from shardweave.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from tests._dist.stream_sanitizer import SanitizerReport, stream_sanitizer
+from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
+
+# default + the engine's four side streams (all-gather copy-in, all-gather, reduce-scatter,
+# all-reduce) of the one comm context.
+MIN_STREAMS = 5
+
+
+def _mesh(cfg: dict[str, Any], world: int) -> DeviceMesh:
+    if cfg.get("hsdp"):
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+def _wrap(model: nn.Module, cfg: dict[str, Any], world: int) -> None:
+    kwargs: dict[str, Any] = {"mesh": _mesh(cfg, world)}
+    if cfg.get("mp"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if cfg.get("offload"):
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if cfg.get("replicate"):
+        from shardweave.replicate import replicate  # fsdp's tests need not import replicate
+
+        shard_blocks(model, replicate, **kwargs)
+        return
+    if "reshard_after_forward" in cfg:
+        kwargs["reshard_after_forward"] = cfg["reshard_after_forward"]
+    shard_blocks(model, fully_shard, **kwargs)
+    if cfg.get("prefetch"):
+        layers = list(model.layers)  # type: ignore[arg-type]
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 2])
+            layer.set_modules_to_backward_prefetch(layers[i - 1 : i] if i > 0 else [])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+@contextlib.contextmanager
+def _maybe_sanitized(
+    sanitize: bool, drop_waits_from: Collection[str], raise_on_race: bool
+) -> Iterator[SanitizerReport | None]:
+    if not sanitize:
+        yield None
+        return
+    with stream_sanitizer(raise_on_race=raise_on_race, drop_waits_from=drop_waits_from) as report:
+        yield report
+
+
+def train(
+    rank: int,
+    world: int,
+    cfg: dict[str, Any],
+    *,
+    sanitize: bool,
+    drop_waits_from: Collection[str] = (),
+    raise_on_race: bool = True,
+) -> tuple[dict[str, list[torch.Tensor]], SanitizerReport | None]:
+    """Build, wrap and train the scenario's model; the sanitizer (when asked) covers it all.
+
+    The sanitizer is entered before the model is built, so the engine's streams (made at the
+    root's lazy init) are fake and every write to the parameters is on record. With
+    ``sanitize`` (and ``raise_on_race``) it raises ``StreamRaceError`` (CSAN's text) on exit
+    when it found a race; ``drop_waits_from`` is the sanitizer's mutation switch.
+    """
+    kind, steps, micro = cfg.get("kind", "gpt"), cfg.get("steps", 2), cfg.get("micro", 1)
+    out: dict[str, list[torch.Tensor]] = {"loss": [], "grad": [], "param": []}
+    with _maybe_sanitized(sanitize, drop_waits_from, raise_on_race) as report:
+        model = make_model(kind)
+        _wrap(model, cfg, world)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(steps):
+            for mb in range(micro):
+                if micro > 1:
+                    model.set_requires_gradient_sync(mb == micro - 1)  # type: ignore[operator]
+                if cfg.get("async_unshard"):
+                    handle = model.unshard(async_op=True)  # type: ignore[operator]
+                    handle.wait()
+                batch = make_batch(kind, 1000 * step + 100 * mb + rank)
+                loss = loss_fn(kind, model(batch), batch)
+                loss.backward()
+                out["loss"].append(loss.detach().clone())
+            out["grad"] += [_local(p.grad) for p in model.parameters() if p.grad is not None]
+            opt.step()
+            opt.zero_grad()
+        out["param"] += [_local(p) for p in model.parameters()]
+    return out, report
+
+
+def assert_bitwise_equal(
+    got: dict[str, list[torch.Tensor]], want: dict[str, list[torch.Tensor]], tag: str
+) -> None:
+    for key, tensors in want.items():
+        assert len(got[key]) == len(tensors), f"{tag}: {key} count"
+        for i, (a, b) in enumerate(zip(got[key], tensors)):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{tag}: {key}[{i}] differs"
+
+
+def sanitized_vs_plain(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, int]:
+    """Body: the scenario without, then with, the sanitizer; bitwise equal and race-free.
+
+    Returns what the sanitizer saw, so the test can check it really watched the engine.
+    """
+    plain, _ = train(rank, world, cfg, sanitize=False)
+    sanitized, report = train(rank, world, cfg, sanitize=True)
+    assert report is not None
+    assert plain["grad"], f"{cfg}: no gradients compared"
+    assert_bitwise_equal(sanitized, plain, f"{cfg} rank {rank}")
+    return {
+        "streams": len(report.streams),
+        "kernels": report.kernels,
+        "collectives": len(report.collectives),
+        "side_stream_collectives": sum(1 for _, s in report.collectives if s != 0),
+        "waits": report.waits,
+        "events": report.events_recorded,
+    }
+
+
+def check_watched(results: list[object], cfg: dict[str, Any]) -> None:
+    """The sanitizer saw the engine's streams, its collectives on side streams and its waits."""
+    for rank, stats in enumerate(results):
+        assert isinstance(stats, dict), stats
+        assert stats["streams"] >= MIN_STREAMS, (cfg, rank, stats)
+        assert stats["collectives"] > 0 and stats["waits"] > 0, (cfg, rank, stats)
+        assert stats["side_stream_collectives"] > 0, (cfg, rank, stats)
+
+
+def mutated(rank: int, world: int, cfg: dict[str, Any], drop: str) -> dict[str, list[str]]:
+    """Body: the scenario with the stream waits issued by engine function ``drop`` removed."""
+    _, report = train(rank, world, cfg, sanitize=True, drop_waits_from={drop}, raise_on_race=False)
+    assert report is not None
+    return {"races": report.races, "dropped": report.dropped_waits}
