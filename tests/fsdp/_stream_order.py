@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from shardweave.fsdp._fsdp_streams import device_module
 from tests._dist.stream_sanitizer import SanitizerReport, stream_sanitizer
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 
@@ -36,7 +37,7 @@ def _wrap(model: nn.Module, cfg: dict[str, Any], world: int) -> None:
     kwargs: dict[str, Any] = {"mesh": _mesh(cfg, world)}
     if cfg.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            param_dtype=torch.bfloat16, reduce_dtype=cfg.get("reduce_dtype", torch.float32)
         )
     if cfg.get("offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
@@ -53,6 +54,16 @@ def _wrap(model: nn.Module, cfg: dict[str, Any], world: int) -> None:
         for i, layer in enumerate(layers):
             layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 2])
             layer.set_modules_to_backward_prefetch(layers[i - 1 : i] if i > 0 else [])
+    if cfg.get("checkpoint"):
+        model.checkpoint = True  # type: ignore[assignment]
+    if cfg.get("force_sum"):
+        model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    if "max_rs_buffers" in cfg:
+        model.set_reduce_scatter_max_input_buffers(cfg["max_rs_buffers"])  # type: ignore[operator]
+    if cfg.get("hook"):
+        # On the root's group: a hook that writes the reduced gradients in place.
+        stream = device_module(torch.device("cpu")).Stream() if cfg["hook"] == "stream" else None
+        model.set_all_reduce_hook(lambda g: g.mul_(0.5), stream=stream)  # type: ignore[operator]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -106,6 +117,10 @@ def train(
             out["grad"] += [_local(p.grad) for p in model.parameters() if p.grad is not None]
             opt.step()
             opt.zero_grad()
+            if cfg.get("post_optim_event"):
+                # torch.cpu records no event (None: the engine waits for the whole stream).
+                event = device_module(torch.device("cpu")).current_stream().record_event()
+                model.set_post_optim_event(event)  # type: ignore[operator]
         out["param"] += [_local(p) for p in model.parameters()]
     return out, report
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests._dist import WorkerPool
 from tests.fsdp._stream_order import check_watched, mutated, sanitized_vs_plain
@@ -17,11 +18,17 @@ from tests.fsdp._stream_order import check_watched, mutated, sanitized_vs_plain
 SCENARIOS: dict[str, dict[str, Any]] = {
     "per-block-and-root": {},
     "mixed-precision": {"mp": True},
+    "mixed-precision-bf16-reduce": {"mp": True, "reduce_dtype": torch.bfloat16},
     "cpu-offload": {"offload": True},
     "replicate": {"replicate": True},
     "explicit-prefetch": {"prefetch": True},
     "async-unshard": {"async_unshard": True},
     "grad-accumulation": {"micro": 2},
+    "reshard-after-forward-false": {"reshard_after_forward": False},
+    "activation-checkpointing": {"checkpoint": True},
+    "all-reduce-hook-on-user-stream": {"hook": "stream"},
+    "post-optim-event": {"post_optim_event": True},
+    "two-reduce-scatter-buffers": {"max_rs_buffers": 2},
 }
 
 
@@ -62,6 +69,14 @@ MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, str]]] = {
         "FSDPParamGroup.unshard",
         ("c10d::_allgather_base_", "aten::_to_copy"),
     ),
+    # Point 7: at the end of backward the compute stream waits for every post-reduce event.
+    # With a bf16 reduction the fp32 gradients are cast on the reduce-scatter stream after the
+    # reduce-scatter's event, so without it the optimizer reads gradients still being cast.
+    "optimizer-waits-for-post-reduce": (
+        {"mp": True, "reduce_dtype": torch.bfloat16},
+        "FSDPCommContext.finish_reductions",
+        ("aten::_to_copy", "aten::add_"),
+    ),
 }
 
 
@@ -74,8 +89,8 @@ def test_removed_engine_wait_is_reported(
     Oracle: the sanitizer's report names the unordered pair of ops; the same scenario with
     every wait in place is race-free (``test_training_is_race_free``). Other waits of the
     engine are redundant in these scenarios on purpose (e.g. the end-of-backward wait for
-    the post-reduce events is implied by the reduce-scatter event in 1-D fp32 FSDP) and are
-    exercised at world size 4 (HSDP) instead.
+    the post-reduce events is implied by the reduce-scatter event in 1-D FSDP when nothing
+    runs after the collective), hence the scenario chosen for each.
     """
     cfg, drop, (op_a, op_b) = case
     for result in world2.run(mutated, cfg, drop):
