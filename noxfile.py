@@ -40,6 +40,11 @@ LINT_PATHS = (
     "packages", "tests", "tools", "demos", "benchmarks", "examples", "docs", "noxfile.py",
 )  # fmt: skip
 TEST_PLUGIN = "tests/fixtures/shardweave_test_plugin"
+# What the demo's report and pictures need besides torch and the four packages, installed in the
+# same pip call: the fsdp package's `plot` extra (matplotlib, for demo-output/memory-rank{N}.png)
+# and numpy (torch 2.13's object collectives need it on gloo). The one list: the demo session
+# installs it, and tests/demos/test_readme_demo.py reads it (with ast: no nox needed there).
+DEMO_REQUIREMENTS = ("./packages/fsdp[plot]", "numpy")
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "typecheck", "lint", "isolated"]  # demo, bench, docs on request
@@ -102,7 +107,11 @@ def _install_requirements_file(session: nox.Session, path: str) -> None:
 
 def _install_all_packages(session: nox.Session, *extra: str) -> None:
     # One pip call, so each sibling requirement resolves to the local folder, never an index.
-    session.install(*(f"./packages/{p}" for p in PACKAGES), *extra)
+    # A folder that `extra` names with extras ("./packages/fsdp[plot]") stands for the plain one.
+    named = {e.split("[", 1)[0] for e in extra}
+    session.install(
+        *(f"./packages/{p}" for p in PACKAGES if f"./packages/{p}" not in named), *extra
+    )
 
 
 @nox.session(python=PYTHON)
@@ -182,9 +191,7 @@ def isolated(session: nox.Session, pkg: str) -> None:
 def demo(session: nox.Session) -> None:
     """Train a small GPT-like model with fully_shard on 2 local CPU processes (gloo)."""
     _install_torch(session)
-    # numpy: torch 2.13's object collectives (all_gather_object) need it on gloo.
-    _install_all_packages(session, "numpy")
-    _install_requirements_file(session, "demos/requirements.txt")
+    _install_all_packages(session, *DEMO_REQUIREMENTS)
     session.run(
         "torchrun", "--standalone", "--nproc-per-node", "2", "demos/train_gpt.py",
         *session.posargs,
