@@ -107,11 +107,10 @@ def _install_requirements_file(session: nox.Session, path: str) -> None:
 
 def _install_all_packages(session: nox.Session, *extra: str) -> None:
     # One pip call, so each sibling requirement resolves to the local folder, never an index.
-    # A folder that `extra` names with extras ("./packages/fsdp[plot]") stands for the plain one.
-    named = {e.split("[", 1)[0] for e in extra}
-    session.install(
-        *(f"./packages/{p}" for p in PACKAGES if f"./packages/{p}" not in named), *extra
-    )
+    # A folder with extras in `extra` ("./packages/fsdp[plot]") is passed besides the plain one:
+    # pip then installs the folder once with those extras, while given only the extras form it
+    # looks for a sibling's requirement on that package (shardweave-fsdp) on the index.
+    session.install(*(f"./packages/{p}" for p in PACKAGES), *extra)
 
 
 @nox.session(python=PYTHON)
