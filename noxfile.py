@@ -124,7 +124,10 @@ def tests(session: nox.Session) -> None:
     # numpy: torch warns at import without it and its object collectives need it. The isolated
     # sessions leave it out, so package code that needs it undeclared fails there.
     # safetensors and matplotlib: the fsdp package's optional extras (interop and plot tests).
-    _install_all_packages(session, *extra, *TEST_DEPS, "numpy", "safetensors>=0.4", "matplotlib")
+    # expecttest: torch's threaded in-process group (torch.testing._internal) imports it.
+    _install_all_packages(
+        session, *extra, *TEST_DEPS, "numpy", "safetensors>=0.4", "matplotlib", "expecttest"
+    )
     # With arguments, pytest gets only those (testpaths = ["tests"] still applies to `-k ...`).
     session.run("pytest", *(session.posargs or ["tests"]))
 
