@@ -40,6 +40,11 @@ LINT_PATHS = (
     "packages", "tests", "tools", "demos", "benchmarks", "examples", "docs", "noxfile.py",
 )  # fmt: skip
 TEST_PLUGIN = "tests/fixtures/shardweave_test_plugin"
+# What the demo's report and pictures need besides torch and the four packages, installed in the
+# same pip call: the fsdp package's `plot` extra (matplotlib, for demo-output/memory-rank{N}.png)
+# and numpy (torch 2.13's object collectives need it on gloo). The one list: the demo session
+# installs it, and tests/demos/test_readme_demo.py reads it (with ast: no nox needed there).
+DEMO_REQUIREMENTS = ("./packages/fsdp[plot]", "numpy")
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "typecheck", "lint", "isolated"]  # demo, bench, docs on request
@@ -102,6 +107,9 @@ def _install_requirements_file(session: nox.Session, path: str) -> None:
 
 def _install_all_packages(session: nox.Session, *extra: str) -> None:
     # One pip call, so each sibling requirement resolves to the local folder, never an index.
+    # A folder with extras in `extra` ("./packages/fsdp[plot]") is passed besides the plain one:
+    # pip then installs the folder once with those extras, while given only the extras form it
+    # looks for a sibling's requirement on that package (shardweave-fsdp) on the index.
     session.install(*(f"./packages/{p}" for p in PACKAGES), *extra)
 
 
@@ -116,7 +124,10 @@ def tests(session: nox.Session) -> None:
     # numpy: torch warns at import without it and its object collectives need it. The isolated
     # sessions leave it out, so package code that needs it undeclared fails there.
     # safetensors and matplotlib: the fsdp package's optional extras (interop and plot tests).
-    _install_all_packages(session, *extra, *TEST_DEPS, "numpy", "safetensors>=0.4", "matplotlib")
+    # expecttest: torch's threaded in-process group (torch.testing._internal) imports it.
+    _install_all_packages(
+        session, *extra, *TEST_DEPS, "numpy", "safetensors>=0.4", "matplotlib", "expecttest"
+    )
     # With arguments, pytest gets only those (testpaths = ["tests"] still applies to `-k ...`).
     session.run("pytest", *(session.posargs or ["tests"]))
 
@@ -182,9 +193,7 @@ def isolated(session: nox.Session, pkg: str) -> None:
 def demo(session: nox.Session) -> None:
     """Train a small GPT-like model with fully_shard on 2 local CPU processes (gloo)."""
     _install_torch(session)
-    # numpy: torch 2.13's object collectives (all_gather_object) need it on gloo.
-    _install_all_packages(session, "numpy")
-    _install_requirements_file(session, "demos/requirements.txt")
+    _install_all_packages(session, *DEMO_REQUIREMENTS)
     session.run(
         "torchrun", "--standalone", "--nproc-per-node", "2", "demos/train_gpt.py",
         *session.posargs,

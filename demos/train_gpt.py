@@ -16,8 +16,9 @@ With shardweave, rank 0 first prints the planner's prediction for this setup
 steps 1..``--trace-steps`` run under the tracer (``shardweave.fsdp.trace``). After training,
 ``--trace-dir`` (default ``demo-output/``) holds each rank's Chrome / Perfetto trace
 (``trace-rank{N}.json``, open it in ui.perfetto.dev) and memory timeline
-(``memory-rank{N}.png``, needs matplotlib), and the report compares the plan with what the
-tracer measured.
+(``memory-rank{N}.png``, needs matplotlib: the fsdp package's ``plot`` extra, which
+``nox -s demo`` installs), and the report compares the plan with what the tracer measured.
+Notices are rank 0's too: one that several ranks raise (say, no matplotlib) is printed once.
 """
 
 from __future__ import annotations
@@ -289,7 +290,8 @@ class Report:
     evals: list[dict[str, float]] = field(default_factory=list)
     sample: str = ""
     plan_vs_trace: dict[str, dict[str, int]] = field(default_factory=dict)
-    trace_files: list[str] = field(default_factory=list)
+    trace_files: list[str] = field(default_factory=list)  # every rank's, rank 0's first
+    notices: list[str] = field(default_factory=list)  # each printed once, by rank 0
 
 
 @torch.no_grad()
@@ -360,15 +362,37 @@ def compare_plan(predicted: Any, tracer: Any) -> dict[str, dict[str, int]]:
     return out
 
 
-def write_trace(tracer: Any, directory: Path) -> list[str]:
-    """This rank's Chrome trace and, with matplotlib installed, its memory plot."""
+def write_trace(tracer: Any, directory: Path) -> tuple[list[str], list[str]]:
+    """This rank's Chrome trace and, with matplotlib installed, its memory plot.
+
+    Returns the files written and this rank's notices (why a file is missing); rank 0 prints
+    the notices of every rank (``merge_notices``), so a missing dependency is reported once.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     files = [str(tracer.export_chrome_trace(directory / "trace-rank{rank}.json"))]
+    notices: list[str] = []
     try:
         files.append(str(tracer.plot_memory(directory / "memory-rank{rank}.png")))
     except ImportError as e:  # the plot is optional: say why it is missing, keep the trace
-        print(f"train_gpt.py: no memory plot ({e})", file=sys.stderr)
-    return files
+        notices.append(f"no memory plot ({e})")
+    return files, notices
+
+
+def merge_notices(per_rank: list[list[str]]) -> list[str]:
+    """Each distinct notice once, in first-seen order; one that not every rank raised names
+    the ranks that did."""
+    ranks: dict[str, list[int]] = {}
+    for rank, notices in enumerate(per_rank):
+        for notice in notices:
+            who = ranks.setdefault(notice, [])
+            if rank not in who:
+                who.append(rank)
+    merged = []
+    for notice, who in ranks.items():
+        if len(who) < len(per_rank):
+            notice = f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}: {notice}"
+        merged.append(f"train_gpt.py: {notice}")
+    return merged
 
 
 def train(args: argparse.Namespace) -> Report | None:
@@ -455,10 +479,11 @@ def train(args: argparse.Namespace) -> Report | None:
     wall_s = time.perf_counter() - t_start
     progress.close()
     trace_files: list[str] = []
+    notices: list[str] = []
     plan_vs_trace: dict[str, dict[str, int]] = {}
     if tracer is not None:
         tracer.stop()  # a no-op unless training ended inside the traced steps
-        trace_files = write_trace(tracer, args.trace_dir)
+        trace_files, notices = write_trace(tracer, args.trace_dir)
         if predicted is not None:
             plan_vs_trace = compare_plan(predicted, tracer)
 
@@ -470,8 +495,14 @@ def train(args: argparse.Namespace) -> Report | None:
         optim_state_bytes=optim_bytes,
         peak_live_tensor_bytes=live.peak if args.track_live_bytes else None,
     )
-    gathered: list[RankMemory | None] = [None] * world
-    dist.all_gather_object(gathered, mem)
+    # Memory, files and notices of every rank, for rank 0's report.
+    gathered: list[tuple[RankMemory, list[str], list[str]] | None] = [None] * world
+    dist.all_gather_object(gathered, (mem, trace_files, notices))
+    per_rank = [g for g in gathered if g is not None]
+    merged_notices = merge_notices([n for _, _, n in per_rank])
+    if rank == 0:
+        for notice in merged_notices:
+            print(notice, file=sys.stderr, flush=True)
 
     # Every rank generates in lockstep: each forward all-gathers parameters, so a rank that
     # sat out would hang the others. Same seed everywhere -> the same sampled text.
@@ -502,11 +533,12 @@ def train(args: argparse.Namespace) -> Report | None:
         timed_steps=len(step_ms),
         tokens_per_s=tokens_per_step / (mean_ms / 1e3) if step_ms else math.nan,
         wall_s=wall_s,
-        memory=[asdict(m) for m in gathered if m is not None],
+        memory=[asdict(m) for m, _, _ in per_rank],
         evals=evals,
         sample=sample,
         plan_vs_trace=plan_vs_trace,
-        trace_files=trace_files,
+        trace_files=[f for _, files, _ in per_rank for f in files],
+        notices=merged_notices,
     )
 
 
@@ -546,7 +578,7 @@ def format_report(r: Report) -> str:
                 f"  {label:<28} plan {v['plan'] / MIB:>8.3f}   trace {v['trace'] / MIB:>8.3f}  {mark}"
             )
     if r.trace_files:
-        lines.append("trace files (rank 0): " + ", ".join(r.trace_files))
+        lines.append("trace files: " + ", ".join(r.trace_files))
     lines += ["sample (temperature 0.8):", "-" * 72, r.sample, "-" * 72]
     return "\n".join(lines)
 
@@ -605,12 +637,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         load_fully_shard(args.impl)
     except ImportError as e:
-        # Before init_process_group, so every rank exits at once instead of one waiting.
-        print(
-            f"train_gpt.py: --impl {args.impl}: cannot import fully_shard ({e}); install the "
-            "shardweave packages (nox -s demo does) or pass --impl torch",
-            file=sys.stderr,
-        )
+        # Before init_process_group, so every rank exits at once instead of one waiting. A
+        # node's ranks share its environment, so its first (LOCAL_RANK 0) alone says why.
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(
+                f"train_gpt.py: --impl {args.impl}: cannot import fully_shard ({e}); install "
+                "the shardweave packages (nox -s demo does) or pass --impl torch",
+                file=sys.stderr,
+            )
         return 1
     dist.init_process_group("gloo")
     try:

@@ -13,6 +13,7 @@ Design note: flat storage
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -83,6 +84,23 @@ class FSDPCommContext:
         self._all_reduces: list[GradientReduction] = []
         self._post_reduce_events: list[Any] = []
         self._offload_event: Any = None
+        # Implicit forward prefetch: the states whose forward began, in this iteration's
+        # order, and the successor of each in the previous iteration (first occurrence).
+        self.forward_order: list[Any] = []
+        self._next_in_forward: dict[Any, Any] = {}
+
+    def next_in_forward(self, state: Any) -> list[Any]:
+        """The state whose forward followed ``state``'s in the previous iteration, if any."""
+        nxt = self._next_in_forward.get(state)
+        return [] if nxt is None else [nxt]
+
+    def end_forward(self) -> None:
+        """The iteration's forward ended: its order predicts the next iteration's."""
+        order, self.forward_order = self.forward_order, []
+        self._next_in_forward = {}
+        for state, nxt in itertools.pairwise(order):
+            if nxt is not state:
+                self._next_in_forward.setdefault(state, nxt)
 
     def streams(self, device: torch.device) -> CommStreams:
         """This context's streams, created on first use (from the device module then in effect)."""
@@ -136,6 +154,7 @@ class FSDPCommContext:
         self._post_reduce_events.clear()
         self._offload_event = None
         self.all_gather_state = None
+        self.forward_order.clear()
 
     def _finish_all_reduces(self) -> None:
         # Issued at the previous post-backward: they overlapped one group's backward.

@@ -76,6 +76,7 @@ class FSDPState:
         self._comm_ctx = FSDPCommContext()
         self._training_state = TrainingState.IDLE
         self._states_to_forward_prefetch: list[FSDPState] = []
+        self.implicit_forward_prefetch = False  # FSDPModule.set_implicit_forward_prefetch
         self._states_to_backward_prefetch: list[FSDPState] = []
         self._modules_to_run_forward: set[nn.Module] = set()
         self._hook_handles: list[RemovableHandle] = []
@@ -281,7 +282,11 @@ class FSDPState:
         for group in self._fsdp_param_groups:
             args, kwargs = group.pre_forward(module, args, kwargs)
         if first_in_pass:
-            for state in self._states_to_forward_prefetch:
+            targets = self._states_to_forward_prefetch
+            if not targets and self.implicit_forward_prefetch:
+                targets = self._comm_ctx.next_in_forward(self)
+            self._comm_ctx.forward_order.append(self)
+            for state in targets:
                 for group in state._fsdp_param_groups:
                     group.prefetch_unshard(TrainingState.FORWARD)
         return args, kwargs
@@ -319,6 +324,7 @@ class FSDPState:
         if self._state_ctx.iter_forward_root is self:
             self._complete_unfinished_states(output)
             self._comm_ctx.wait_for_previous_all_gather()  # the forward's last copy-out
+            self._comm_ctx.end_forward()
             self._state_ctx.iter_forward_root = None
         return self._cast_output(output)
 

@@ -530,6 +530,25 @@ class FSDPModule:
         _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
         self._get_fsdp_state()._states_to_forward_prefetch = [m._get_fsdp_state() for m in modules]
 
+    def set_implicit_forward_prefetch(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """In forward, prefetch the module that ran next in the previous iteration.
+
+        Not in torch's FSDP2, whose forward issues each all-gather at the module's own
+        pre-forward (on GPUs the CPU running ahead hides it; where collectives run on host
+        threads, as gloo's do, it stays exposed). With this on, after a module's own
+        all-gather, the all-gather of the module whose forward followed it last iteration
+        is issued, so it overlaps this module's compute: one more module's parameters in
+        memory during forward. The first iteration learns the order; a module with
+        ``set_modules_to_forward_prefetch`` targets uses those instead. Default off, as torch.
+
+        Example::
+
+            model.set_implicit_forward_prefetch()  # the root and every fully_shard'ed child
+        """
+        _check_flag(enable, "set_implicit_forward_prefetch", "enable")
+        for module in self._fsdp_modules(recurse):
+            module._get_fsdp_state().implicit_forward_prefetch = enable
+
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Replace the default backward prefetch of this module with these modules."""
         _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")

@@ -1,0 +1,126 @@
+"""Exposed communication per step: how long the host waits for collectives, by kind.
+
+Run::
+
+    python benchmarks/exposed_comm.py [--workload gpt] [--world-size 2] [--steps 30]
+        [--rounds 3] [--implicit-forward-prefetch] [--json out/exposed.json]
+
+Trains one workload of ``run.py`` (default ``gpt``) with shardweave's ``fully_shard`` in
+``--world-size`` spawned CPU processes (gloo over a ``FileStore``), traced by
+``shardweave.fsdp.trace()``. For every traced step it sums, per collective kind, the
+tracer's *exposed* time (from the moment the host began waiting for a collective until the
+wait returned; see Design note: traced quantities in ``shardweave.fsdp._trace``), takes the
+slowest rank, and reports the median over steps. The sources on ``PYTHONPATH`` decide which
+engine is measured, so the same script compares two commits::
+
+    PYTHONPATH=<old checkout>/packages/fsdp/src:<old checkout>/packages/mesh/src \\
+        python benchmarks/exposed_comm.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    from _workloads import WORKLOADS
+
+    from shardweave.fsdp import trace
+
+    workload = next(w for w in WORKLOADS if w.name == args.workload)
+    torch.manual_seed(0)
+    model = workload.wrap("shardweave", workload.build())
+    if args.implicit_forward_prefetch:
+        model.set_implicit_forward_prefetch()  # type: ignore[operator]
+    opt = workload.make_optimizer(model.parameters())
+    batch = workload.make_batch(rank)
+
+    def step() -> None:
+        workload.loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(args.warmup):
+        step()
+    rows: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        dist.barrier()
+        with trace() as tracer:
+            for i in range(args.steps):
+                if i:
+                    tracer.step()
+                step()
+        summary = tracer.summary()
+        for s, record in zip(summary["steps"], tracer.steps, strict=True):
+            row = {k: 0.0 for k in KINDS}
+            for group in s["groups"].values():
+                for kind in KINDS:
+                    row[kind] += group[kind]["exposed_ms"]
+            row["step_ms"] = (record.end_ns - record.begin_ns) / 1e6
+            rows.append(row)
+    out.put((rank, rows))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="gpt")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30, help="traced steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--implicit-forward-prefetch",
+        action="store_true",
+        help="FSDPModule.set_implicit_forward_prefetch() on the root (and every child)",
+    )
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, args.world_size, store_path, args, out))
+            for r in range(args.world_size)
+        ]
+        for p in procs:
+            p.start()
+        per_rank = dict(out.get(timeout=900) for _ in procs)
+        for p in procs:
+            p.join()
+    steps = len(per_rank[0])
+    slowest = [
+        {k: max(per_rank[r][i][k] for r in per_rank) for k in (*KINDS, "step_ms")}
+        for i in range(steps)
+    ]
+    result = {k: statistics.median(row[k] for row in slowest) for k in (*KINDS, "step_ms")}
+    result["exposed_ms"] = sum(result[k] for k in KINDS)
+    result["steps"] = steps
+    print(f"{args.workload}, world {args.world_size}, {steps} traced steps, median ms per step:")
+    for k, v in result.items():
+        print(f"  {k:>15}: {v:.3f}" if isinstance(v, float) else f"  {k:>15}: {v}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

@@ -1,0 +1,152 @@
+"""No timed host wait on accelerators: NCCL measures a ``Work.wait(timeout)`` from the
+collective's issue and aborts the communicator when it expires, so one would end a job whose
+collective merely queued behind slow compute.
+
+Oracles: *closed form*. The package sources contain one timed wait, inside the CPU-only poll;
+driven with fake ``Work`` objects, the fault wait, the seam's ``InFlight.wait`` and ``issue``
+never pass a timeout for a non-CPU device, while the same calls for CPU do (so the fakes do
+reach the timed path).
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests._dist import WorkerPool
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _timed_waits() -> list[tuple[str, str]]:
+    """(file, enclosing function) of every ``<x>.wait(...)`` call given a timeout."""
+    found = []
+    for path in sorted((ROOT / "packages").glob("*/src/shardweave/**/*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "wait"
+                    # a class's own wait (the planner's simulated schedule) is no Work
+                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+                    # Work.wait(timeout) / wait(timeout=...); the seam's InFlight.wait takes
+                    # (streams, stream) and is not a host wait on its own
+                    and (len(node.args) == 1 or any(k.arg == "timeout" for k in node.keywords))
+                ):
+                    found.append((path.name, func.name))
+    return sorted(set(found))
+
+
+def test_only_the_cpu_poll_waits_with_a_timeout() -> None:
+    """Closed form: the one timed ``wait`` in package code is ``_fault._timed_wait``."""
+    assert _timed_waits() == [("_fault.py", "_timed_wait")]
+
+
+class FakeWork:
+    """Records the timeout of every ``wait`` (None: untimed)."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[datetime.timedelta | None] = []
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.timeouts.append(timeout)
+        return True
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def record_event(self) -> object:
+        return object()
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+    def wait_stream(self, stream: object) -> None:
+        self.waited.append(stream)
+
+
+class FakeDeviceModule:
+    """Just enough of a device module for ``CommStreams``."""
+
+    def __init__(self) -> None:
+        self._current = FakeStream()
+
+    def Stream(self, priority: int = 0) -> FakeStream:
+        return FakeStream()
+
+    def current_stream(self) -> FakeStream:
+        return self._current
+
+    def stream(self, stream: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext(stream)
+
+
+def waits_by_device(rank: int, world: int) -> dict[str, list[Any]]:
+    from shardweave.fsdp import _fault
+    from shardweave.fsdp._fsdp_collectives import issue
+    from shardweave.fsdp._fsdp_streams import CommStreams, use_device_module
+
+    saved = _fault._STATE.epoch
+    _fault._STATE.epoch = 1  # a root lazy init happened: the failure channel is live
+    try:
+        seen: dict[str, list[Any]] = {}
+        for device in ("cpu", "cuda"):
+            work = FakeWork()
+            _fault.wait(work, "a test collective", torch.device(device))
+            seen[f"fault.wait {device}"] = work.timeouts
+        with use_device_module(FakeDeviceModule()):
+            for device, host_wait in (("cpu", False), ("meta", False), ("meta", True)):
+                streams = CommStreams(torch.device(device))
+                tensor = torch.empty(4, device=device)
+                work = FakeWork()
+                asked: list[bool] = []
+
+                def launch(async_op: bool, work: FakeWork = work, asked: list[bool] = asked) -> Any:
+                    asked.append(async_op)
+                    return work
+
+                in_flight = issue(
+                    "all_reduce",
+                    launch,
+                    group=dist.group.WORLD,  # type: ignore[arg-type]
+                    tensor=tensor,
+                    name="test",
+                    trace_key="test",
+                    streams=streams,
+                    stream=streams.all_reduce,
+                    what="a test collective",
+                    host_wait=host_wait,
+                )
+                consumer = streams.current()
+                in_flight.wait(streams, consumer)
+                key = f"issue {device} host_wait={host_wait}"
+                seen[key] = [asked, work.timeouts, in_flight.event in consumer.waited]
+        return seen
+    finally:
+        _fault._STATE.epoch = saved
+
+
+def test_no_timed_wait_off_cpu(world1: WorkerPool) -> None:
+    """Closed form: off CPU every wait is untimed (and the collective runs stream-ordered,
+    ``async_op=False``, unless a ``Work`` is asked for); on CPU the same calls poll with a
+    timeout, so the fakes reach the timed path. The consumer stream always waits the event."""
+    poll = datetime.timedelta(seconds=0.5)
+    [seen] = world1.run(waits_by_device)
+    assert seen["fault.wait cpu"] == [poll]
+    assert seen["fault.wait cuda"] == [None]
+    assert seen["issue cpu host_wait=False"] == [[True], [poll], True]
+    assert seen["issue meta host_wait=False"] == [[False], [], True]  # no Work kept or waited
+    assert seen["issue meta host_wait=True"] == [[True], [None], True]
