@@ -37,9 +37,18 @@ COLLECTIVE_TIMEOUT: Final = datetime.timedelta(seconds=120)
 class _Runner:
     """One implementation's model + optimizer for one workload, on this rank."""
 
-    def __init__(self, impl: str, workload: Workload, rank: int, foreach: bool | None) -> None:
+    def __init__(
+        self,
+        impl: str,
+        workload: Workload,
+        rank: int,
+        foreach: bool | None,
+        forward_prefetch: bool = False,
+    ) -> None:
         torch.manual_seed(0)  # same init for every implementation and every rank
         self.model = workload.wrap(workload.impls[impl], workload.build())
+        if forward_prefetch and impl == "shardweave" and workload.mode == "fsdp":
+            self.model.set_implicit_forward_prefetch()  # type: ignore[operator]
         opt_kwargs = {} if foreach is None else {"foreach": foreach}
         self.opt = workload.make_optimizer(self.model.parameters(), **opt_kwargs)
         self.batch = workload.make_batch(rank)
@@ -75,6 +84,7 @@ def _set_worker(
     impl: str,
     warmup: int,
     foreach: bool | None,
+    forward_prefetch: bool,
     conn: Connection,
 ) -> None:
     """A rank of one implementation's set: set up, then serve the parent's commands.
@@ -94,7 +104,7 @@ def _set_worker(
         self_check = memory_self_check()
         workload = _workload(workload_name)
         with LiveBytesRecorder() as rec:
-            runner = _Runner(impl, workload, rank, foreach)
+            runner = _Runner(impl, workload, rank, foreach, forward_prefetch)
             for _ in range(warmup):
                 runner.step()
             before_state = state_bytes(runner.model, runner.opt)
@@ -177,6 +187,7 @@ class ImplSet:
                     impl,
                     args.warmup,
                     args.foreach,
+                    args.implicit_forward_prefetch,
                     child_end,
                 ),
                 daemon=True,

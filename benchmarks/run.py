@@ -39,6 +39,9 @@ times the cost of the same operation on the plain tensors DDP trains.
 implementation's optimizer: on accelerators torch's optimizers default to their ``foreach``
 path, DTensor parameters included, so this is the closer model of a GPU run's optimizer.
 
+``--implicit-forward-prefetch`` turns on shardweave's ``set_implicit_forward_prefetch()`` in
+the ``fully_shard`` workloads (off by default, as torch's FSDP2 has no such prefetch).
+
 Collectives. One extra step per implementation runs under a dispatch mode that records every
 c10d collective, so the report gives collectives and bytes per step by kind, next to the
 theoretical minimum for the sharding layout.
@@ -107,6 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="pass foreach=True/False to every implementation's optimizer (default: the "
         "optimizer's own choice, which on CPU is its per-tensor path)",
+    )
+    p.add_argument(
+        "--implicit-forward-prefetch",
+        action="store_true",
+        help="shardweave's fully_shard workloads call set_implicit_forward_prefetch() on the "
+        "root (not in torch's FSDP2; default off there and here)",
     )
     p.add_argument(
         "--timeout",
@@ -199,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             "implementation, driven in turns, order alternating A B C / C B A",
             "opt_ms": "slowest rank's opt.step() + zero_grad within each timed step",
             "optimizer_foreach": args.foreach,
+            "shardweave_implicit_forward_prefetch": args.implicit_forward_prefetch,
             "bytes": "all-gather: gathered output; reduce-scatter: unreduced input; "
             "all-reduce: tensor size",
             "peak_bytes": "max over ranks of the peak bytes in live CPU tensor storages during "

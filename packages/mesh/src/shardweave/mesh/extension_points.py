@@ -15,12 +15,12 @@ or code registers one explicitly (which wins over discovery)::
 Type-keyed points (``handled_type``) are looked up with ``get_for_type(type(tensor))``, so a
 plugin for a class also covers its subclasses.
 
-Which points the engine consults today: only ``PARAM_HANDLING`` (at ``fully_shard``, for each
-DTensor parameter). ``ALL_GATHER``, ``STATE_DICT`` and ``COLLECTIVES`` are declared so that
-plugins can be written, registered and found against a stable Protocol, but the engine does not
-call them yet: a tensor subclass customizes its all-gather through torch's own
-``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` methods, and collectives are replaced per
-module with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``.
+Which points the engine consults today: ``PARAM_HANDLING`` (at ``fully_shard``, for each
+DTensor parameter) and ``COLLECTIVES`` (by the engine's collective seam, per device type, with
+``shardweave-fsdp`` shipping the c10d default under the key ``"default"``). ``ALL_GATHER`` and
+``STATE_DICT`` are declared so that plugins can be written, registered and found against a
+stable Protocol, but the engine does not call them yet: a tensor subclass customizes its
+all-gather through torch's own ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` methods.
 
 Design note: tensor vocabulary
     *sharded*: this rank's piece of a parameter, what FSDP keeps between steps.
@@ -202,10 +202,14 @@ class Collectives(Protocol):
     """The engine's collectives for one device type (the registry key, e.g. ``"cpu"``).
 
     Each takes explicit buffers and a process group and never looks at modules. With
-    ``async_op=True`` return the ``Work`` to wait on, otherwise None (as c10d does).
-    The engine does not consult this point yet (see the module docstring): to replace one
-    module's collectives today use ``FSDPModule.set_custom_all_gather`` /
-    ``set_custom_reduce_scatter``.
+    ``async_op=True`` return the ``Work`` to wait on, otherwise None (as c10d does). The
+    engine's collective seam looks the point up once per device type and process: a plugin
+    under the device type's key wins over the ``"default"`` one that ``shardweave-fsdp``
+    ships (plain c10d calls). The engine calls it inside ``stream(...)`` of the stream the
+    collective belongs to, with ``async_op=False`` on accelerators (the backend orders the
+    collective on that stream) and ``async_op=True`` on CPU. To replace one module's
+    all-gather or reduce-scatter only, use ``FSDPModule.set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``, which sit on top of this point.
 
     Example::
 
