@@ -8,13 +8,16 @@ model whose forward uses bf16-rounded parameters).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.extensions.all_gather import all_gather_in_dtype
 from shardweave.fsdp import fully_shard
+from shardweave.mesh.extension_points import ALL_GATHER
 from tests._dist import WorkerPool
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_same_as_torch
@@ -69,3 +72,65 @@ def one_sided_hooks(rank: int, world: int) -> None:
 def test_hooks_must_come_in_pairs(world2: WorkerPool) -> None:
     """Oracle: closed form (torch raises AssertionError for a one-sided extension)."""
     world2.run(one_sided_hooks)
+
+
+class Tagged(torch.Tensor):
+    """A tensor class with no fsdp_pre/post_all_gather methods of its own."""
+
+
+class BF16AllGather:
+    """An ``ALL_GATHER`` plugin for ``Tagged``: all-gather in bf16, rebuild in the compute
+    dtype (what ``all_gather_in_dtype`` does through torch's methods, for even shards)."""
+
+    handled_type = Tagged
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def pre_all_gather(
+        self, local: torch.Tensor, mesh: object
+    ) -> tuple[tuple[torch.Tensor, ...], object]:
+        self.calls += 1
+        return (local.as_subclass(torch.Tensor).to(torch.bfloat16),), None
+
+    def post_all_gather(
+        self, outs: Sequence[torch.Tensor], meta: object, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return outs[0].to(dtype)
+
+
+def registered_all_gather_plugin(rank: int, world: int) -> int:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))  # even shards
+        for unit in (model[0], model[2], model):
+            fully_shard(unit)
+        return model
+
+    model, ref = build(), build()
+    plugin = BF16AllGather()
+    ALL_GATHER.register("bf16-test", plugin)  # the pool restores registries after the body
+    for p in model.parameters():
+        local = p._local_tensor  # type: ignore[attr-defined]
+        p._local_tensor = local.as_subclass(Tagged)  # type: ignore[attr-defined]
+    all_gather_in_dtype(ref, torch.bfloat16)  # the same rounding through torch's methods
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m in (model, ref):
+            m(x).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), f"step {step} {name}"  # type: ignore[union-attr]
+        for m in (model, ref):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(0.05 * p.grad)  # type: ignore[operator]
+            m.zero_grad(set_to_none=True)
+    return plugin.calls
+
+
+def test_all_gather_plugin_is_consulted(world2: WorkerPool) -> None:
+    """Oracle: compatibility. A tensor class without torch's methods gets them from its
+    ``ALL_GATHER`` plugin: bitwise the gradients of the same bf16 all-gather done through
+    torch's methods (``all_gather_in_dtype``), which plain fp32 gathering would not give; the
+    plugin runs once per parameter per unshard (4 params x 2 unshards x 3 steps)."""
+    assert world2.run(registered_all_gather_plugin) == [24, 24]

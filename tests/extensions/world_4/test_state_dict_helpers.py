@@ -27,8 +27,8 @@ from shardweave.extensions import (
     chunk_tensor,
     pre_load_state_dict_transform,
 )
-from shardweave.fsdp import fully_shard
-from shardweave.mesh.extension_points import StateDictTransform
+from shardweave.fsdp import fully_shard, set_full_state_dict
+from shardweave.mesh.extension_points import STATE_DICT, StateDictTransform
 from tests._dist import WorkerPool
 from tests.extensions.world_4.test_fsdp_tp import Stack, _build
 
@@ -221,3 +221,32 @@ def test_fsdp_tp_state_dict_export_and_rechunk(world4: WorkerPool) -> None:
     """Oracle: reference (a parallelize_module'd copy without FSDP for the TP-only values) and
     the model's own sharded state dict (re-chunked values, then a load into a fresh model)."""
     world4.run(fsdp_tp_state_dict_flow)
+
+
+def load_tp_only_checkpoint(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    want = _build(fully_shard, mesh).state_dict()
+    torch.manual_seed(0)  # the same values, parallelized but not sharded: a TP-only checkpoint
+    tp_only = Stack()
+    for block in tp_only.blocks:
+        parallelize_module(
+            block, mesh["tp"], {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+        )
+    tp_sd = tp_only.state_dict()
+    assert any(isinstance(v, DTensor) for v in tp_sd.values())
+    torch.manual_seed(5)
+    model = _build(fully_shard, mesh)
+    with pytest.raises(TypeError, match="no StateDictTransform is registered"):
+        set_full_state_dict(model, tp_sd)
+    STATE_DICT.register("dtensor", DTensorStateDictTransform())  # the pool restores it
+    set_full_state_dict(model, tp_sd)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.to_local(), want[key].to_local()), key
+
+
+def test_full_state_dict_load_consults_state_dict_plugin(world4: WorkerPool) -> None:
+    """Oracle: reference (the FSDP x TP model built from the same seed). A TP-only checkpoint,
+    whose values are tensor-parallel DTensors, loads through ``set_full_state_dict`` into
+    FSDP x TP parameters once the ``STATE_DICT`` plugin for DTensor is registered, and is a
+    clear ``TypeError`` before."""
+    world4.run(load_tp_only_checkpoint)

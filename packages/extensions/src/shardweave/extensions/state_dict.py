@@ -261,7 +261,8 @@ class DTensorStateDictTransform:
     from the TP ones, and assumes, as torch's helper does, that only the last dim is TP.
     That is wrong for 2-D TP/EP parameters and for ``dp_mesh_dims`` SPMD meshes, so register
     it yourself (``STATE_DICT.register("dtensor", DTensorStateDictTransform())``) only for
-    models with one TP mesh dim.
+    models with one TP mesh dim. Registered, it lets ``shardweave.fsdp.set_full_state_dict``
+    load a TP-only checkpoint (TP DTensor values) into FSDP x TP parameters.
 
     Example::
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,7 +21,12 @@ from shardweave.fsdp._fsdp_common import (
     dim_chunked_size,
 )
 from shardweave.mesh import FSDPMeshInfo, HSDPMeshInfo
-from shardweave.mesh.extension_points import PARAM_HANDLING, ParamHandler
+from shardweave.mesh.extension_points import (
+    ALL_GATHER,
+    PARAM_HANDLING,
+    AllGatherExtension,
+    ParamHandler,
+)
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
@@ -327,11 +332,18 @@ class FSDPParam:
     # --- tensor-subclass all-gather extension (torch's fsdp_pre/post_all_gather protocol) -------
     def detect_extension(self, mp_policy: MixedPrecisionPolicy) -> None:
         """Use the sharded local tensor's ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` (as
-        methods of a subclass or attributes patched on the tensor), re-detected at lazy init so
-        patching after ``to_empty`` works."""
+        methods of a subclass or attributes patched on the tensor), else an ``ALL_GATHER``
+        plugin registered for its class; re-detected at lazy init so patching after
+        ``to_empty`` works."""
         local = _local_tensor(self.sharded_param)
         pre = getattr(local, "fsdp_pre_all_gather", None)
         post = getattr(local, "fsdp_post_all_gather", None)
+        if pre is None and post is None and type(local) is not torch.Tensor:
+            # torch's methods win (STYLE: torch compatibility first); the registry is for
+            # tensor classes their owner cannot give those methods.
+            plugin = ALL_GATHER.find_for_type(type(local))
+            if plugin is not None:
+                pre, post = self._plugin_all_gather(plugin)
         if (pre is None) != (post is None):
             raise AssertionError(
                 f"'{self.param_fqn}': a tensor defining one of fsdp_pre_all_gather / "
@@ -347,6 +359,30 @@ class FSDPParam:
                     f"outer_size, outer_stride, module, mp_policy), got {arity} parameters"
                 )
             self._ext_legacy = arity == 1
+
+    def _plugin_all_gather(self, plugin: AllGatherExtension) -> tuple[Any, Any]:
+        """An ``AllGatherExtension`` as torch's one-argument ``fsdp_pre_all_gather`` and its
+        ``fsdp_post_all_gather`` (which refills ``out`` in place from the second unshard on)."""
+
+        def pre(mesh: DeviceMesh) -> tuple[tuple[torch.Tensor, ...], object]:
+            tensors, meta = plugin.pre_all_gather(_local_tensor(self.sharded_param), mesh)
+            return tuple(tensors), meta
+
+        def post(
+            outs: Sequence[torch.Tensor],
+            meta: object,
+            dtype: torch.dtype,
+            *,
+            out: torch.Tensor | None = None,
+        ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+            full = plugin.post_all_gather(outs, meta, dtype)
+            if out is None:
+                return full, (full,)
+            with torch.no_grad():
+                out.copy_(full.view_as(out))
+            return None
+
+        return pre, post
 
     @property
     def has_extension(self) -> bool:

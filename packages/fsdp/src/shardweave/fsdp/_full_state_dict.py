@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from shardweave.fsdp._fully_shard import FSDPModule
+from shardweave.mesh.extension_points import STATE_DICT
 
 __all__ = [
     "GatherBuffers",
@@ -253,6 +254,21 @@ def _local_piece(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return full
     mesh: DeviceMesh = target.device_mesh
     placements = target.placements
+    if type(full) is not torch.Tensor:
+        # A full value of another kind, e.g. a tensor-parallel DTensor from a TP-only
+        # checkpoint: the STATE_DICT plugin for its class knows how it maps onto the sharded
+        # parameter's mesh (shardweave-extensions has one for TP DTensors).
+        transform = STATE_DICT.find_for_type(type(full))
+        if transform is not None:
+            return transform.chunk(full, mesh, placements).to_local()
+        if isinstance(full, DTensor):
+            raise TypeError(
+                f"a full state-dict value is a DTensor ({full.placements} on a "
+                f"{full.device_mesh.ndim}-D mesh) and no StateDictTransform is registered for "
+                "it; register one (STATE_DICT.register('dtensor', "
+                "shardweave.extensions.state_dict.DTensorStateDictTransform()) for one TP mesh "
+                "dim) or pass plain full tensors (DTensor.full_tensor())"
+            )
     if all(isinstance(p, Replicate) or type(p) is Shard for p in placements):
         coord = mesh.get_coordinate()
         if coord is None:  # this rank is not in the mesh: it holds nothing

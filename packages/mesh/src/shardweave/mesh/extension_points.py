@@ -15,12 +15,15 @@ or code registers one explicitly (which wins over discovery)::
 Type-keyed points (``handled_type``) are looked up with ``get_for_type(type(tensor))``, so a
 plugin for a class also covers its subclasses.
 
-Which points the engine consults today: ``PARAM_HANDLING`` (at ``fully_shard``, for each
-DTensor parameter) and ``COLLECTIVES`` (by the engine's collective seam, per device type, with
-``shardweave-fsdp`` shipping the c10d default under the key ``"default"``). ``ALL_GATHER`` and
-``STATE_DICT`` are declared so that plugins can be written, registered and found against a
-stable Protocol, but the engine does not call them yet: a tensor subclass customizes its
-all-gather through torch's own ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` methods.
+Where the engine consults each point:
+
+- ``PARAM_HANDLING``: at ``fully_shard``, for each DTensor parameter.
+- ``COLLECTIVES``: in the engine's collective seam, once per device type. ``shardweave-fsdp``
+  ships the c10d default under the key ``"default"``.
+- ``ALL_GATHER``: at the root's lazy init, for a sharded local tensor of a class that does not
+  define torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torch's methods win).
+- ``STATE_DICT``: in ``set_full_state_dict``, for a full value that is not a plain tensor
+  (a tensor-parallel DTensor from a TP-only checkpoint).
 
 Design note: tensor vocabulary
     *sharded*: this rank's piece of a parameter, what FSDP keeps between steps.
@@ -121,9 +124,10 @@ class AllGatherExtension(Protocol):
     """What a tensor subclass contributes to the all-gather, and how it is rebuilt after.
 
     For tensor classes that do not define torch's ``fsdp_pre_all_gather`` /
-    ``fsdp_post_all_gather`` themselves (those are used as-is). The engine does not consult
-    this point yet (see the module docstring): to change what is gathered today, give the
-    tensor those two methods, as :func:`shardweave.extensions.all_gather_in_dtype` does.
+    ``fsdp_post_all_gather`` themselves (those are used as-is, as
+    :func:`shardweave.extensions.all_gather_in_dtype` does). The engine looks the sharded local
+    tensor's class up at the root's lazy init. With uneven shards every input must already have
+    the padded shard size (``ceil(rows / world)`` rows).
 
     Example::
 
@@ -163,8 +167,9 @@ class StateDictTransform(Protocol):
     """How a tensor of ``handled_type`` is chunked for a sharded state dict and gathered back.
 
     ``chunk`` needs no communication; ``gather`` is a collective over the sharded tensor's
-    mesh. The engine does not consult this point yet (see the module docstring); state-dict
-    code of your own can.
+    mesh. The engine calls ``chunk`` in ``set_full_state_dict`` for full values of
+    ``handled_type`` that are not plain tensors (say a TP-only checkpoint's DTensors);
+    ``gather`` is for state-dict code of your own.
 
     Example::
 
