@@ -260,7 +260,8 @@ def _local_piece(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # parameter's mesh (shardweave-extensions has one for TP DTensors).
         transform = STATE_DICT.find_for_type(type(full))
         if transform is not None:
-            return transform.chunk(full, mesh, placements).to_local()
+            chunked = transform.chunk(full, mesh, placements)  # a DTensor, per the Protocol
+            return chunked.to_local() if isinstance(chunked, DTensor) else chunked
         if isinstance(full, DTensor):
             raise TypeError(
                 f"a full state-dict value is a DTensor ({full.placements} on a "
