@@ -8,6 +8,7 @@ batch, within fp32 tolerance: DDP divides before summing, we average in the coll
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -164,6 +165,10 @@ def test_replicate_child_fully_shard_root(world2: WorkerPool) -> None:
     world2.run(composition)
 
 
+_APPLIED_ONCE = "Each distinct composable distributed API can only be applied to a module once."
+_ONE_DIM_MESH = "replicate expects a 1D DeviceMesh but got DeviceMesh("
+
+
 def misuse(rank: int, world: int) -> None:
     for rep, fs in ((torch_replicate, torch_fully_shard), (replicate, fully_shard)):
         a = nn.Linear(2, 2)
@@ -174,9 +179,12 @@ def misuse(rank: int, world: int) -> None:
         rep(b)
         with pytest.raises(AssertionError):
             fs(b)
+        # torch 2.13's sentences (both libraries' messages start with them)
+        with pytest.raises(AssertionError, match=re.escape(_APPLIED_ONCE)):
+            rep(b)
         with pytest.raises(AssertionError):
             b.set_reshard_after_forward(True)  # type: ignore[operator]
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(_ONE_DIM_MESH)):
             rep(
                 nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
             )

@@ -142,6 +142,13 @@ def fully_shard(
     modules = module_arguments(module, api)
     for m in modules:
         existing = get_fsdp_state(m)
+        if existing is not None and existing.api_name == api:
+            # starts with torch 2.13's sentence (its `contract` raises it), which users match on
+            raise AssertionError(
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"{api} has already been applied to {type(m).__name__}: remove the second call "
+                "(change settings with the FSDPModule setters instead)"
+            )
         if existing is not None:
             raise AssertionError(
                 f"{api} was already applied to {type(m).__name__} (by {existing.api_name}); "

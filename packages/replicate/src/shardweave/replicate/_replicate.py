@@ -131,10 +131,10 @@ def replicate(
                 "or apply replicate() to a submodule before fully_shard() on the parent"
             )
         if state is not None:
+            # starts with torch 2.13's sentence (its `contract` raises it), which users match on
             raise AssertionError(
-                f"replicate was already applied to {type(m).__name__}; each distinct "
-                "composable distributed API can only be applied to a module once: remove the "
-                "second call"
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"{api} has already been applied to {type(m).__name__}: remove the second call"
             )
         validate_module(m, api)
     check_policy_types(mp_policy, offload_policy, api)
@@ -151,7 +151,7 @@ def replicate(
     else:
         if mesh.ndim != 1:
             raise MeshValidationError(
-                f"replicate expects a 1D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; for "
+                f"replicate expects a 1D DeviceMesh but got {mesh}; for "
                 "replicate x tensor parallel pass dp_mesh_dims=DataParallelMeshDims(replicate=...)"
             )
         mesh_info = DDPMeshInfo(mesh, replicate_mesh_dim=0)
