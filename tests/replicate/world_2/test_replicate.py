@@ -195,3 +195,28 @@ def misuse(rank: int, world: int) -> None:
 def test_replicate_misuse_raises_like_torch(world2: WorkerPool) -> None:
     """Oracle: compatibility (same exception types as torch's replicate)."""
     world2.run(misuse)
+
+
+def composable_state(rank: int, world: int) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import _ReplicateState
+
+    from shardweave.replicate._replicate import ReplicateState
+
+    for rep, fs, state_type in (
+        (torch_replicate, torch_fully_shard, _ReplicateState),
+        (replicate, fully_shard, ReplicateState),
+    ):
+        r, s, plain = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+        rep(r)
+        fs(s)
+        assert isinstance(rep.state(r), state_type), rep  # type: ignore[attr-defined]
+        assert rep.state(s) is None and rep.state(plain) is None, rep  # type: ignore[attr-defined]
+        assert fs.state(r) is None and fs.state(plain) is None, fs  # type: ignore[attr-defined]
+        assert fs.state(s) is not None, fs  # type: ignore[attr-defined]
+
+
+def test_replicate_state_like_torch(world2: WorkerPool) -> None:
+    """Oracle: compatibility. replicate.state returns the replicate state of a replicated
+    module and None for a fully_shard or plain module; fully_shard.state is None for a
+    replicated module; the same as torch's."""
+    world2.run(composable_state)

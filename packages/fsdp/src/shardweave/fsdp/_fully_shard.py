@@ -7,7 +7,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast, overload
+from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, Protocol, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -60,35 +60,49 @@ __all__ = [
 ShardPlacementFn = Callable[[nn.Parameter], "Shard | ShardPlacementResult | None"]
 
 
-@overload
-def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: ShardPlacementFn | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> FSDPModule: ...
+class FullyShardFn(Protocol):
+    """The type of ``fully_shard``: the function (module or list overloads) and ``state``.
+
+    torch's composable ``contract`` gives its ``fully_shard`` a ``state(module)`` attribute;
+    a Protocol keeps ours typed under ``mypy --strict`` while it stays a plain function.
+    """
+
+    @overload
+    def __call__(
+        self,
+        module: nn.Module,
+        *,
+        mesh: DeviceMesh | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+        shard_placement_fn: ShardPlacementFn | None = ...,
+        mp_policy: MixedPrecisionPolicy = ...,
+        offload_policy: OffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ) -> FSDPModule: ...
+
+    @overload
+    def __call__(
+        self,
+        module: list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+        shard_placement_fn: ShardPlacementFn | None = ...,
+        mp_policy: MixedPrecisionPolicy = ...,
+        offload_policy: OffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ) -> list[nn.Module]: ...
+
+    def state(self, module: nn.Module | FSDPModule) -> FSDPState | None:
+        """The ``FSDPState`` that ``fully_shard`` attached to ``module``, or None when
+        ``fully_shard`` was not applied to it (a submodule of a sharded module, a module of
+        ``replicate``, a plain module), as torch's ``fully_shard.state`` returns."""
+        ...
 
 
-@overload
-def fully_shard(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: ShardPlacementFn | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> list[nn.Module]: ...
-
-
-def fully_shard(
+def _fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
@@ -131,7 +145,9 @@ def fully_shard(
         dp_mesh_dims: names the data-parallel dims when ``mesh`` is a full SPMD mesh.
 
     Returns:
-        The module (now also an ``FSDPModule``), or the same list.
+        The module (now also an ``FSDPModule``), or the same list. Afterwards
+        ``fully_shard.state(module)`` returns the state attached to each module passed (the
+        roots of a list), and None for any other module, as torch's does.
 
     Differences from torch:
         At the root's first forward every rank compares a digest of what it manages (names,
@@ -215,6 +231,26 @@ def fully_shard(
     if isinstance(module, nn.Module):
         return cast(FSDPModule, module)
     return module
+
+
+def with_state(fn: Callable[..., object], api: str) -> object:
+    """``fn`` with a ``state(module)`` attribute returning the state ``api`` attached to a
+    module (None for any other module), as torch's ``contract`` decorator adds; the caller
+    casts the result to its Protocol."""
+
+    def state(module: nn.Module | FSDPModule) -> FSDPState | None:
+        found = get_fsdp_state(cast(nn.Module, module))
+        return found if found is not None and found.api_name == api else None
+
+    state.__qualname__ = f"{api}.state"
+    state.__doc__ = f"The state ``{api}`` attached to ``module``, or None."
+    # named after the public binding, so pickling finds it and reprs read as torch's
+    fn.__name__ = fn.__qualname__ = api
+    fn.state = state  # type: ignore[attr-defined]
+    return fn
+
+
+fully_shard: Final[FullyShardFn] = cast(FullyShardFn, with_state(_fully_shard, "fully_shard"))
 
 
 def attach_engine(

@@ -8,7 +8,7 @@ prefetch, mixed precision, the all-reduce hook) works unchanged.
 
 from __future__ import annotations
 
-from typing import cast, overload
+from typing import Final, Protocol, cast, overload
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,7 +20,12 @@ from shardweave.fsdp._fsdp_init import (
     validate_module,
 )
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
-from shardweave.fsdp._fully_shard import attach_engine, build_groups, check_policy_types
+from shardweave.fsdp._fully_shard import (
+    attach_engine,
+    build_groups,
+    check_policy_types,
+    with_state,
+)
 from shardweave.mesh import (
     DataParallelMeshDims,
     DDPMeshInfo,
@@ -65,31 +70,41 @@ class ReplicateModule(FSDPModule):
     """
 
 
-@overload
-def replicate(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> ReplicateModule: ...
+class ReplicateFn(Protocol):
+    """The type of ``replicate``: the function (module or list overloads) and ``state``, as
+    torch's ``contract`` decorator gives its ``replicate``."""
+
+    @overload
+    def __call__(
+        self,
+        module: nn.Module,
+        *,
+        mesh: DeviceMesh | None = ...,
+        mp_policy: MixedPrecisionPolicy = ...,
+        offload_policy: OffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ) -> ReplicateModule: ...
+
+    @overload
+    def __call__(
+        self,
+        module: list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = ...,
+        mp_policy: MixedPrecisionPolicy = ...,
+        offload_policy: OffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ) -> list[nn.Module]: ...
+
+    def state(self, module: nn.Module | FSDPModule) -> ReplicateState | None:
+        """The ``ReplicateState`` that ``replicate`` attached to ``module``, or None when
+        ``replicate`` was not applied to it, as torch's ``replicate.state`` returns."""
+        ...
 
 
-@overload
-def replicate(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> list[nn.Module]: ...
-
-
-def replicate(
+def _replicate(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
@@ -184,3 +199,6 @@ def replicate(
     if isinstance(module, nn.Module):
         return cast(ReplicateModule, module)
     return module
+
+
+replicate: Final[ReplicateFn] = cast(ReplicateFn, with_state(_replicate, "replicate"))
