@@ -220,3 +220,41 @@ def test_replicate_state_like_torch(world2: WorkerPool) -> None:
     module and None for a fully_shard or plain module; fully_shard.state is None for a
     replicated module; the same as torch's."""
     world2.run(composable_state)
+
+
+def torch_policy_objects(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffload
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    from shardweave.fsdp import CPUOffloadPolicy
+
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    with_theirs, with_ours, oracle = (make_model("gpt") for _ in range(3))
+    torch_policies = {"mp_policy": TorchMP(**mp), "offload_policy": TorchCPUOffload(False)}
+    _per_block(with_theirs, replicate, **torch_policies)
+    _per_block(
+        with_ours,
+        replicate,
+        mp_policy=MixedPrecisionPolicy(**mp),
+        offload_policy=CPUOffloadPolicy(pin_memory=False),
+    )
+    _per_block(oracle, torch_replicate, **torch_policies)
+    models = (with_theirs, with_ours, oracle)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    for step in range(2):
+        batch = make_batch("gpt", 100 * step + rank)
+        for m in models:
+            loss_fn("gpt", m(batch).float(), batch).backward()
+        assert all(p.device.type == "cpu" for p in with_theirs.parameters())
+        assert_same_as_torch(with_theirs, with_ours, f"theirs vs ours step {step}")
+        assert_same_as_torch(with_theirs, oracle, f"vs torch's replicate step {step}")
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        assert_same_as_torch(with_theirs, oracle, f"vs torch's replicate after step {step}")
+
+
+def test_replicate_accepts_torch_policy_objects(world2: WorkerPool) -> None:
+    """Oracle: compatibility, bitwise, two steps: replicate with torch's MixedPrecisionPolicy
+    and CPUOffloadPolicy(pin_memory=False) equals it with ours and torch's replicate."""
+    world2.run(torch_policy_objects)

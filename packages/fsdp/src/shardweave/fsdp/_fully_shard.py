@@ -21,6 +21,8 @@ from shardweave.fsdp._fsdp_api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ReduceScatter,
+    as_own_policies,
+    torch_policy_types,
 )
 from shardweave.fsdp._fsdp_init import (
     managed_modules,
@@ -47,6 +49,7 @@ from shardweave.mesh import (
 if TYPE_CHECKING:
     from torch.distributed.tensor import Shard
 
+    from shardweave.fsdp._fsdp_api import AnyMixedPrecisionPolicy, AnyOffloadPolicy
     from shardweave.fsdp._fsdp_common import ShardPlacementResult
 
 __all__ = [
@@ -75,8 +78,8 @@ class FullyShardFn(Protocol):
         mesh: DeviceMesh | None = ...,
         reshard_after_forward: bool | int | None = ...,
         shard_placement_fn: ShardPlacementFn | None = ...,
-        mp_policy: MixedPrecisionPolicy = ...,
-        offload_policy: OffloadPolicy = ...,
+        mp_policy: AnyMixedPrecisionPolicy = ...,
+        offload_policy: AnyOffloadPolicy = ...,
         ignored_params: set[nn.Parameter] | None = ...,
         dp_mesh_dims: DataParallelMeshDims | None = ...,
     ) -> FSDPModule: ...
@@ -89,8 +92,8 @@ class FullyShardFn(Protocol):
         mesh: DeviceMesh | None = ...,
         reshard_after_forward: bool | int | None = ...,
         shard_placement_fn: ShardPlacementFn | None = ...,
-        mp_policy: MixedPrecisionPolicy = ...,
-        offload_policy: OffloadPolicy = ...,
+        mp_policy: AnyMixedPrecisionPolicy = ...,
+        offload_policy: AnyOffloadPolicy = ...,
         ignored_params: set[nn.Parameter] | None = ...,
         dp_mesh_dims: DataParallelMeshDims | None = ...,
     ) -> list[nn.Module]: ...
@@ -108,8 +111,8 @@ def _fully_shard(
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: ShardPlacementFn | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
+    mp_policy: AnyMixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: AnyOffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> FSDPModule | list[nn.Module]:
@@ -171,7 +174,7 @@ def _fully_shard(
                 "each distinct composable distributed API can only be applied to a module once: "
                 "remove the second call (change settings with the FSDPModule setters instead)"
             )
-    check_policy_types(mp_policy, offload_policy, api)
+    mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, api)
     validate_shard_placement_fn(shard_placement_fn, api)
     validate_ignored_params(ignored_params, api)
     if reshard_after_forward is not None:
@@ -292,26 +295,35 @@ def attach_engine(
         swap_class(root, module_cls, prefix)
 
 
-def check_policy_types(mp_policy: object, offload_policy: object, api: str = "fully_shard") -> None:
+def resolve_policies(
+    mp_policy: object, offload_policy: object, api: str = "fully_shard"
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """Our policy objects for ``mp_policy`` and ``offload_policy``: ours as they are, torch's
+    (``torch.distributed.fsdp``) converted field by field; anything else raises TypeError."""
+    mp_policy, offload_policy = as_own_policies(mp_policy, offload_policy)
+    torch_types = torch_policy_types() or ()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        if isinstance(mp_policy, type) and issubclass(mp_policy, MixedPrecisionPolicy):
+        mp_classes = (MixedPrecisionPolicy, *torch_types[:1])
+        if isinstance(mp_policy, type) and issubclass(mp_policy, mp_classes):
             fix = "instantiate it: mp_policy=MixedPrecisionPolicy(param_dtype=...)"
         elif isinstance(mp_policy, torch.dtype):
             fix = f"pass mp_policy=MixedPrecisionPolicy(param_dtype={mp_policy})"
         else:
             fix = "pass mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)"
         raise TypeError(
-            f"{api}: mp_policy must be a MixedPrecisionPolicy instance, got "
-            f"{type(mp_policy).__name__} {mp_policy!r:.80}; {fix}"
+            f"{api}: mp_policy must be a MixedPrecisionPolicy instance (shardweave.fsdp's or "
+            f"torch.distributed.fsdp's), got {type(mp_policy).__name__} {mp_policy!r:.80}; {fix}"
         )
     if not isinstance(offload_policy, OffloadPolicy):
-        if isinstance(offload_policy, type) and issubclass(offload_policy, OffloadPolicy):
+        offload_classes = (OffloadPolicy, *torch_types[1:2])
+        if isinstance(offload_policy, type) and issubclass(offload_policy, offload_classes):
             fix = f"instantiate it: offload_policy={offload_policy.__name__}()"
         else:
             fix = "pass offload_policy=CPUOffloadPolicy() to offload, or omit it"
         raise TypeError(
-            f"{api}: offload_policy must be an OffloadPolicy instance, got "
-            f"{type(offload_policy).__name__} {offload_policy!r:.80}; {fix}"
+            f"{api}: offload_policy must be an OffloadPolicy instance (shardweave.fsdp's or "
+            f"torch.distributed.fsdp's), got {type(offload_policy).__name__} "
+            f"{offload_policy!r:.80}; {fix}"
         )
     if (
         isinstance(offload_policy, CPUOffloadPolicy)
@@ -324,6 +336,7 @@ def check_policy_types(mp_policy: object, offload_policy: object, api: str = "fu
             "default), which needs an accelerator, and none is available; pass "
             "offload_policy=CPUOffloadPolicy(pin_memory=False)"
         )
+    return mp_policy, offload_policy
 
 
 def root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:

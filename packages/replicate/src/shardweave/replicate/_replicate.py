@@ -8,7 +8,7 @@ prefetch, mixed precision, the all-reduce hook) works unchanged.
 
 from __future__ import annotations
 
-from typing import Final, Protocol, cast, overload
+from typing import TYPE_CHECKING, Final, Protocol, cast, overload
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,7 +23,7 @@ from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
 from shardweave.fsdp._fully_shard import (
     attach_engine,
     build_groups,
-    check_policy_types,
+    resolve_policies,
     with_state,
 )
 from shardweave.mesh import (
@@ -36,6 +36,9 @@ from shardweave.mesh import (
     resolve_mesh_info,
 )
 from shardweave.mesh._dims import check_mesh_argument
+
+if TYPE_CHECKING:
+    from shardweave.fsdp._fsdp_api import AnyMixedPrecisionPolicy, AnyOffloadPolicy
 
 __all__ = ["ReplicateModule", "replicate"]
 
@@ -80,8 +83,8 @@ class ReplicateFn(Protocol):
         module: nn.Module,
         *,
         mesh: DeviceMesh | None = ...,
-        mp_policy: MixedPrecisionPolicy = ...,
-        offload_policy: OffloadPolicy = ...,
+        mp_policy: AnyMixedPrecisionPolicy = ...,
+        offload_policy: AnyOffloadPolicy = ...,
         ignored_params: set[nn.Parameter] | None = ...,
         dp_mesh_dims: DataParallelMeshDims | None = ...,
     ) -> ReplicateModule: ...
@@ -92,8 +95,8 @@ class ReplicateFn(Protocol):
         module: list[nn.Module],
         *,
         mesh: DeviceMesh | None = ...,
-        mp_policy: MixedPrecisionPolicy = ...,
-        offload_policy: OffloadPolicy = ...,
+        mp_policy: AnyMixedPrecisionPolicy = ...,
+        offload_policy: AnyOffloadPolicy = ...,
         ignored_params: set[nn.Parameter] | None = ...,
         dp_mesh_dims: DataParallelMeshDims | None = ...,
     ) -> list[nn.Module]: ...
@@ -108,8 +111,8 @@ def _replicate(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
+    mp_policy: AnyMixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: AnyOffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> ReplicateModule | list[nn.Module]:
@@ -152,7 +155,7 @@ def _replicate(
                 f"{api} has already been applied to {type(m).__name__}: remove the second call"
             )
         validate_module(m, api)
-    check_policy_types(mp_policy, offload_policy, api)
+    mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, api)
     validate_ignored_params(ignored_params, api)
     mesh = mesh if mesh is not None else default_mesh(mesh_dim_names=("replicate",))
     check_mesh_argument(mesh, api)
