@@ -10,7 +10,8 @@ Fails (exit 1, one line per problem) on:
     mesh <- extensions), or one whose range excludes the sibling's current version;
   * an import of ``shardweave.<x>`` in ``packages/<p>/src`` where ``x`` is neither ``p`` nor a
     declared dependency ``shardweave-<x>`` in ``packages/<p>/pyproject.toml``;
-  * an import of torch's FSDP engine in package source: shardweave ships its own.
+  * an import of torch's FSDP engine in package source: shardweave ships its own (only the
+    policy dataclasses of ``torch.distributed.fsdp`` may be imported, by name).
 
 Usage: python tools/check_layout.py [--root DIR]
 """
@@ -46,6 +47,13 @@ BANNED_TORCH_MODULES: Final[tuple[str, ...]] = (
     "torch.distributed._composable.replicate_with_fsdp",
     "torch.distributed.tensor.parallel.fsdp",
 )
+# The public names of torch.distributed.fsdp that package code may import: the policy
+# dataclasses, which fully_shard and replicate accept as well as their own (ARCHITECTURE.md,
+# "Interop with torch's ecosystem"). Nothing else from that package, its engine least of all.
+ALLOWED_TORCH_NAMES: Final[frozenset[str]] = frozenset(
+    f"torch.distributed.fsdp.{name}"
+    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")
+)
 _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
@@ -54,6 +62,8 @@ def _normalize(name: str) -> str:
 
 
 def _is_banned(module: str) -> bool:
+    if module in ALLOWED_TORCH_NAMES:
+        return False
     return any(module == b or module.startswith(b + ".") for b in BANNED_TORCH_MODULES)
 
 
@@ -73,10 +83,13 @@ def _imported_modules(
                 base = ".".join(p for p in [*base_parts, node.module or ""] if p)
             else:
                 base = node.module or ""
-            yield node.lineno, base
-            for alias in node.names:
-                if alias.name != "*":
-                    yield node.lineno, f"{base}.{alias.name}"
+            names = [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
+            # `from torch.distributed.fsdp import MixedPrecisionPolicy` imports one allowed name,
+            # not the package as a whole
+            if not (len(names) == len(node.names) and all(n in ALLOWED_TORCH_NAMES for n in names)):
+                yield node.lineno, base
+            for name in names:
+                yield node.lineno, name
         elif (
             isinstance(node, ast.Call)
             and node.args

@@ -117,6 +117,10 @@ def test_range_excluding_sibling_version_fails(tool: ModuleType, tmp_path: Path)
         "from torch.distributed._composable import replicate_with_fsdp\n",
         "from torch.distributed._composable.fsdp import fully_shard\n",
         "from torch.distributed.tensor.parallel.fsdp import DTensorExtensions\n",
+        # an allowed policy name does not carry another name along, nor the package itself
+        "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n",
+        "import torch.distributed.fsdp\n",
+        "from torch.distributed.fsdp._fully_shard._fsdp_api import MixedPrecisionPolicy\n",
     ],
 )
 def test_torch_fsdp_engine_import_fails(tool: ModuleType, tmp_path: Path, source: str) -> None:
@@ -126,6 +130,11 @@ def test_torch_fsdp_engine_import_fails(tool: ModuleType, tmp_path: Path, source
 
 
 def test_allowed_torch_imports_pass(tool: ModuleType, tmp_path: Path) -> None:
-    source = "import torch.distributed as dist\nfrom torch.distributed.tensor import DTensor\n"
+    source = (
+        "import torch.distributed as dist\nfrom torch.distributed.tensor import DTensor\n"
+        # torch's policy dataclasses, accepted by fully_shard and replicate
+        "from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP\n"
+        "from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy\n"
+    )
     _write(_repo(tmp_path) / "packages" / "fsdp" / "src" / "shardweave" / "fsdp" / "_z.py", source)
     assert tool.check(tmp_path) == []

@@ -6,6 +6,7 @@ Oracle: *compatibility* — the same misuse against torch's fully_shard raises t
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -88,6 +89,46 @@ def test_misuse_raises_like_torch(world2: WorkerPool, case: str) -> None:
     """Oracle: compatibility (exception type), on every rank."""
     messages = world2.run(misuse, case)
     assert all(messages), "every rank raises with a message"
+
+
+# torch 2.13's sentences (copied from its source) that users' and torch's own tests match on;
+# our message starts with the sentence, then says more.
+TORCH_SENTENCES: dict[str, str] = {
+    "mesh_3d": "fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh(",
+    "mesh_2d_unnamed": "Please init the 2D mesh for HSDP with mesh_dim_names specified",
+    "non_contiguous": "FSDP does not support non-contiguous parameters yet: param.shape=",
+    "double_application": (
+        "Each distinct composable distributed API can only be applied to a module once."
+    ),
+}
+
+
+def torch_sentence(rank: int, world: int, case: str) -> tuple[str, str]:
+    build = CASES[case]
+    with pytest.raises(Exception) as theirs:
+        build(torch_fully_shard)
+    with pytest.raises(Exception, match=re.escape(TORCH_SENTENCES[case])) as ours:
+        build(fully_shard)
+    return str(theirs.value), str(ours.value)
+
+
+@pytest.mark.parametrize("case", sorted(TORCH_SENTENCES))
+def test_message_starts_with_torchs_sentence(world2: WorkerPool, case: str) -> None:
+    """Oracle: compatibility. torch's fully_shard raises the sentence (so the table is torch's
+    text, not ours), our message starts with it (``pytest.raises(match=...)`` written against
+    torch passes), and where torch's whole message is one sentence ours starts with all of it
+    (mesh and parameter reprs included)."""
+    for theirs, mine in world2.run(torch_sentence, case):  # type: ignore[misc]
+        sentence = TORCH_SENTENCES[case]
+        assert theirs.startswith(sentence), f"torch now says: {theirs}"
+        assert mine.startswith(sentence), mine
+        if case == "double_application":
+            # torch goes on with "fully_shard has already been applied to the following
+            # module:" and the module's repr; we name the class and the remedy instead
+            assert mine.startswith(f"{sentence} fully_shard has already been applied to "), mine
+            assert "remove the second call" in mine, mine
+        else:
+            assert mine.startswith(theirs) and len(mine) > len(theirs), (theirs, mine)
 
 
 class Net(nn.Module):

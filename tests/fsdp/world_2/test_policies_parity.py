@@ -7,15 +7,18 @@ and *closed form* for the dtypes (sharded params and grads stay in the original 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from shardweave.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from shardweave.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from tests._dist import WorkerPool
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model
 from tests.fsdp._oracle import assert_same_as_torch
@@ -157,3 +160,82 @@ def pinned_offload_without_accelerator(rank: int, world: int) -> None:
 def test_pinned_offload_without_accelerator_raises_like_torch(world2: WorkerPool) -> None:
     """Oracle: compatibility: pin_memory=True needs an accelerator."""
     world2.run(pinned_offload_without_accelerator)
+
+
+def _shard_gpt(api: Any, model: nn.Module, mp: Any, offload: Any) -> None:
+    for block in model.layers:  # type: ignore[union-attr]
+        api(block, mp_policy=mp, offload_policy=offload)
+    api(model, mp_policy=mp, offload_policy=offload)
+
+
+def torch_policy_objects(rank: int, world: int) -> None:
+    """Our fully_shard given torch's policy objects, given ours, and torch's fully_shard given
+    torch's: bf16 compute, fp32 reduction, CPU offload without pinning."""
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    with_theirs, with_ours, oracle = (make_model("gpt") for _ in range(3))
+    _shard_gpt(
+        fully_shard,
+        with_theirs,
+        TorchMixedPrecisionPolicy(**mp),
+        TorchCPUOffloadPolicy(pin_memory=False),
+    )
+    _shard_gpt(
+        fully_shard, with_ours, MixedPrecisionPolicy(**mp), CPUOffloadPolicy(pin_memory=False)
+    )
+    _shard_gpt(
+        torch_fully_shard,
+        oracle,
+        TorchMixedPrecisionPolicy(**mp),
+        TorchCPUOffloadPolicy(pin_memory=False),
+    )
+    state = fully_shard.state(with_theirs)
+    assert state is not None and isinstance(state._mp_policy, MixedPrecisionPolicy)
+    models = (with_theirs, with_ours, oracle)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    for step in range(2):
+        batch = make_batch("gpt", 100 * step + rank)
+        outs = [m(batch) for m in models]
+        assert all(o.dtype == torch.bfloat16 for o in outs), [o.dtype for o in outs]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), step
+        for out in outs:
+            loss_fn("gpt", out.float(), batch).backward()
+        for p in with_theirs.parameters():  # offloaded, and kept in fp32
+            assert p.device.type == "cpu" and p.dtype == torch.float32
+            assert p.grad is not None and p.grad.dtype == torch.float32
+        assert_same_as_torch(with_theirs, with_ours, f"theirs vs ours step {step}")
+        assert_same_as_torch(with_theirs, oracle, f"vs torch's fully_shard step {step}")
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        assert_same_as_torch(with_theirs, with_ours, f"theirs vs ours after step {step}")
+        assert_same_as_torch(with_theirs, oracle, f"vs torch's fully_shard after step {step}")
+    # neither ours nor torch's: a TypeError naming both
+    for bad in ({"mp_policy": torch.bfloat16}, {"offload_policy": "cpu"}):
+        with pytest.raises(TypeError, match=r"shardweave\.fsdp's or torch\.distributed\.fsdp's"):
+            fully_shard(nn.Linear(2, 2), **bad)
+    with pytest.raises(TypeError, match="instantiate it"):
+        fully_shard(nn.Linear(2, 2), mp_policy=TorchMixedPrecisionPolicy)
+
+
+def test_torch_policy_objects_accepted(world2: WorkerPool) -> None:
+    """Oracles: compatibility, bitwise, two steps: our fully_shard with torch's
+    MixedPrecisionPolicy / CPUOffloadPolicy equals it with ours, and equals torch's fully_shard
+    with the same objects (outputs, shards, gradients, updated parameters)."""
+    world2.run(torch_policy_objects)
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (MixedPrecisionPolicy, TorchMixedPrecisionPolicy),
+        (OffloadPolicy, TorchOffloadPolicy),
+        (CPUOffloadPolicy, TorchCPUOffloadPolicy),
+    ],
+)
+def test_policy_fields_match_torch(ours: type, theirs: type) -> None:
+    """Oracle: closed form against torch's dataclasses: the same fields, in the same order, with
+    the same defaults (so a conversion field by field keeps the meaning)."""
+    assert [(f.name, f.default) for f in dataclasses.fields(ours)] == [
+        (f.name, f.default) for f in dataclasses.fields(theirs)
+    ]
+    assert isinstance(theirs(), theirs)  # constructible with defaults, as ours are

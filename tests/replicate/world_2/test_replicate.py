@@ -8,6 +8,7 @@ batch, within fp32 tolerance: DDP divides before summing, we average in the coll
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -164,6 +165,10 @@ def test_replicate_child_fully_shard_root(world2: WorkerPool) -> None:
     world2.run(composition)
 
 
+_APPLIED_ONCE = "Each distinct composable distributed API can only be applied to a module once."
+_ONE_DIM_MESH = "replicate expects a 1D DeviceMesh but got DeviceMesh("
+
+
 def misuse(rank: int, world: int) -> None:
     for rep, fs in ((torch_replicate, torch_fully_shard), (replicate, fully_shard)):
         a = nn.Linear(2, 2)
@@ -174,9 +179,12 @@ def misuse(rank: int, world: int) -> None:
         rep(b)
         with pytest.raises(AssertionError):
             fs(b)
+        # torch 2.13's sentences (both libraries' messages start with them)
+        with pytest.raises(AssertionError, match=re.escape(_APPLIED_ONCE)):
+            rep(b)
         with pytest.raises(AssertionError):
             b.set_reshard_after_forward(True)  # type: ignore[operator]
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(_ONE_DIM_MESH)):
             rep(
                 nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
             )
@@ -187,3 +195,66 @@ def misuse(rank: int, world: int) -> None:
 def test_replicate_misuse_raises_like_torch(world2: WorkerPool) -> None:
     """Oracle: compatibility (same exception types as torch's replicate)."""
     world2.run(misuse)
+
+
+def composable_state(rank: int, world: int) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import _ReplicateState
+
+    from shardweave.replicate._replicate import ReplicateState
+
+    for rep, fs, state_type in (
+        (torch_replicate, torch_fully_shard, _ReplicateState),
+        (replicate, fully_shard, ReplicateState),
+    ):
+        r, s, plain = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+        rep(r)
+        fs(s)
+        assert isinstance(rep.state(r), state_type), rep  # type: ignore[attr-defined]
+        assert rep.state(s) is None and rep.state(plain) is None, rep  # type: ignore[attr-defined]
+        assert fs.state(r) is None and fs.state(plain) is None, fs  # type: ignore[attr-defined]
+        assert fs.state(s) is not None, fs  # type: ignore[attr-defined]
+
+
+def test_replicate_state_like_torch(world2: WorkerPool) -> None:
+    """Oracle: compatibility. replicate.state returns the replicate state of a replicated
+    module and None for a fully_shard or plain module; fully_shard.state is None for a
+    replicated module; the same as torch's."""
+    world2.run(composable_state)
+
+
+def torch_policy_objects(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffload
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    from shardweave.fsdp import CPUOffloadPolicy
+
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    with_theirs, with_ours, oracle = (make_model("gpt") for _ in range(3))
+    torch_policies = {"mp_policy": TorchMP(**mp), "offload_policy": TorchCPUOffload(False)}
+    _per_block(with_theirs, replicate, **torch_policies)
+    _per_block(
+        with_ours,
+        replicate,
+        mp_policy=MixedPrecisionPolicy(**mp),
+        offload_policy=CPUOffloadPolicy(pin_memory=False),
+    )
+    _per_block(oracle, torch_replicate, **torch_policies)
+    models = (with_theirs, with_ours, oracle)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    for step in range(2):
+        batch = make_batch("gpt", 100 * step + rank)
+        for m in models:
+            loss_fn("gpt", m(batch).float(), batch).backward()
+        assert all(p.device.type == "cpu" for p in with_theirs.parameters())
+        assert_same_as_torch(with_theirs, with_ours, f"theirs vs ours step {step}")
+        assert_same_as_torch(with_theirs, oracle, f"vs torch's replicate step {step}")
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        assert_same_as_torch(with_theirs, oracle, f"vs torch's replicate after step {step}")
+
+
+def test_replicate_accepts_torch_policy_objects(world2: WorkerPool) -> None:
+    """Oracle: compatibility, bitwise, two steps: replicate with torch's MixedPrecisionPolicy
+    and CPUOffloadPolicy(pin_memory=False) equals it with ours and torch's replicate."""
+    world2.run(torch_policy_objects)

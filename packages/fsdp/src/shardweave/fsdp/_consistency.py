@@ -2,14 +2,34 @@
 
 A rank whose model differs (another layer count, a shape, a dtype, a policy) would otherwise
 issue all-gathers of different sizes or in a different order, and the job would hang or abort
-inside the backend. At root lazy init every rank hashes a description of its groups; one tiny
-all-gather of the digests per data-parallel process group tells whether they agree, and only on
-disagreement are the full descriptions exchanged to name the first difference, on every rank.
+inside the backend. At root lazy init every rank hashes a description of its groups and the
+ranks of each data-parallel process group compare the digests; only on disagreement are the
+full descriptions exchanged to name the first difference, on every rank.
+
+Design note: the exchange goes through the c10d store
+    torch's FSDP2 issues no collective at lazy init, and code that counts collectives (torch's
+    own tests, schedulers, profilers) expects the first step to issue exactly its number. So
+    the digests travel through the default c10d store that every rank already shares, never
+    through the model's process groups. Per process group (the shard group, then the
+    replicate group) each rank writes one small key and waits for its peers' keys, with a
+    bounded timeout that names the ranks that never arrived.
+
+    Keys are scoped by the group's role and ranks and by a generation drawn from an atomic
+    counter in the store (``store.add``): a rank finishes generation ``g`` only after every
+    peer wrote its key for ``g``, so every peer drew its ticket for ``g`` before anyone draws
+    one for ``g + 1``, and ``(ticket - 1) // group size`` is the same on every rank. Two
+    models, or two jobs sharing a store one after the other, never read each other's keys.
+    Once generation ``g`` is complete every peer has read generation ``g - 1``, so each rank
+    then deletes its own ``g - 1`` keys: the store holds one counter per group and at most one
+    key per rank and group, however many models are built.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
+import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,16 +44,24 @@ if TYPE_CHECKING:
 
 __all__ = ["FSDPConsistencyError", "check_ranks_agree", "describe_groups"]
 
-_DIGEST_BYTES = 32
 _NONCE_BYTES = 8
 SKIP_ENV = "SHARDWEAVE_SKIP_CONSISTENCY_CHECK"
+TIMEOUT_ENV = "SHARDWEAVE_CONSISTENCY_TIMEOUT"
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_PREFIX = "shardweave/consistency"
+# First character of a rank's key: its digest and nonce follow (hex), or the error that
+# stopped it.
+_DIGEST = "D"
+_FAILED = "F"
 
 
 class FSDPConsistencyError(RuntimeError):
     """Ranks disagree about the modules, parameters or policies they manage.
 
-    Raised on every rank at the root's first forward, naming the first difference. The
-    check costs one small all-gather per data-parallel process group, once;
+    Raised on every rank at the root's first forward, naming the first difference, or the
+    ranks that never reached it (after ``SHARDWEAVE_CONSISTENCY_TIMEOUT`` seconds, by default
+    the process group's timeout). The check issues no collective: each rank writes one small
+    key per data-parallel process group to the c10d store and reads its peers', once;
     ``SHARDWEAVE_SKIP_CONSISTENCY_CHECK=1`` skips it, but then a mismatch hangs instead, and
     peers are no longer told of a rank's failure (``PeerFailureError``).
 
@@ -72,69 +100,155 @@ def describe_groups(groups: Sequence[FSDPParamGroup], mp_repr: str, api: str) ->
     return lines
 
 
-def _process_groups(mesh_info: DataParallelMeshInfo) -> list[dist.ProcessGroup]:
-    groups: list[dist.ProcessGroup] = []
+def _process_groups(mesh_info: DataParallelMeshInfo) -> list[tuple[str, dist.ProcessGroup]]:
+    groups: list[tuple[str, dist.ProcessGroup]] = []
     if isinstance(mesh_info, FSDPMeshInfo) and mesh_info.shard_mesh_size > 1:
-        groups.append(mesh_info.shard_process_group)
+        groups.append(("shard", mesh_info.shard_process_group))
     if isinstance(mesh_info, DDPMeshInfo) and mesh_info.replicate_mesh_size > 1:
-        groups.append(mesh_info.replicate_process_group)
+        groups.append(("replicate", mesh_info.replicate_process_group))
     return groups
 
 
 def check_ranks_agree(
-    lines: list[str], mesh_info: DataParallelMeshInfo, device: torch.device, api: str
+    lines: list[str],
+    mesh_info: DataParallelMeshInfo,
+    device: torch.device,
+    api: str,
+    *,
+    timeout: datetime.timedelta | None = None,
 ) -> int | None:
     """Raise ``FSDPConsistencyError`` on every rank of the mesh if any rank's ``lines`` differ.
 
-    Returns a nonce every rank of the mesh agrees on (the first rank's random draw, carried by
-    the same all-gather), which names this root's failure scope (``_fault``); None when the
-    check is skipped or there is no peer.
+    Issues no collective: the digests go through the default c10d store (see Design note:
+    the exchange goes through the c10d store). A peer that does not arrive within
+    ``timeout`` (default: ``SHARDWEAVE_CONSISTENCY_TIMEOUT`` seconds if set, else the process
+    group's timeout, else 5 minutes) is named in an ``FSDPConsistencyError``.
+
+    Returns a nonce every rank of the mesh agrees on (the first rank's random draw, adopted
+    group by group), which names this root's failure scope (``_fault``); None when the check
+    is skipped or there is no peer.
     """
     if os.environ.get(SKIP_ENV) == "1":
         return None
-    digest = hashlib.sha256("\n".join(lines).encode()).digest()
+    groups = _process_groups(mesh_info)
+    if not groups:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    # Draw every group's generation first, so that a rank raising for its first group can
+    # still tell the peers of its later groups (they would wait out the timeout otherwise).
+    exchanges = [
+        _Exchange(store, role, pg, _timeout(timeout, pg, device), api) for role, pg in groups
+    ]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     nonce = int.from_bytes(os.urandom(_NONCE_BYTES), "little")
-    agreed: int | None = None
-    width = _DIGEST_BYTES + _NONCE_BYTES
-    for pg in _process_groups(mesh_info):
-        # Each group adopts its first rank's nonce; across the shard then the replicate group
-        # that spreads one nonce over the whole mesh.
-        payload = bytearray(digest + nonce.to_bytes(_NONCE_BYTES, "little"))
-        local = torch.frombuffer(payload, dtype=torch.uint8).to(device)
-        world = pg.size()
-        gathered = torch.empty(world * width, dtype=torch.uint8, device=device)
-        dist.all_gather_single(gathered, local, group=pg)
-        rows = gathered.view(world, width)
-        nonce = agreed = int.from_bytes(bytes(rows[0, _DIGEST_BYTES:].cpu().tolist()), "little")
-        digests = rows[:, :_DIGEST_BYTES]
-        if bool((digests == digests[0]).all()):
-            continue
-        # Someone differs: every rank sees the same digests, so all take this path together.
-        everyone = _all_gather_lines(lines, pg, device)
-        ranks = dist.get_process_group_ranks(pg)
-        raise FSDPConsistencyError(_first_difference(everyone, ranks, api))
-    return agreed
+    for index, exchange in enumerate(exchanges):
+        try:
+            # Each group adopts its first rank's nonce; across the shard then the replicate
+            # group that spreads one nonce over the whole mesh.
+            nonce = exchange.agree(digest, nonce, lines)
+        except FSDPConsistencyError as exc:
+            for later in exchanges[index + 1 :]:
+                later.publish(_FAILED + str(exc))
+            raise
+    return nonce
 
 
-def _all_gather_lines(
-    lines: list[str], pg: dist.ProcessGroup, device: torch.device
-) -> list[list[str]]:
-    """Every rank's lines, as utf-8 bytes in padded tensors.
+def _timeout(
+    explicit: datetime.timedelta | None, pg: dist.ProcessGroup, device: torch.device
+) -> datetime.timedelta:
+    if explicit is not None:
+        return explicit
+    seconds = os.environ.get(TIMEOUT_ENV)
+    if seconds:
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {seconds!r}")
+        return datetime.timedelta(seconds=value)
+    try:  # the process group's own timeout (no public accessor in torch 2.13)
+        found = pg._get_backend(device).options._timeout
+        if isinstance(found, datetime.timedelta) and found.total_seconds() > 0:
+            return found
+    except Exception:  # a backend without options: use the default
+        pass
+    return _DEFAULT_TIMEOUT
 
-    Not ``all_gather_object``: in torch 2.13 it needs NumPy, which shardweave does not require.
-    """
-    world = pg.size()
-    payload = torch.frombuffer(bytearray("\n".join(lines).encode() or b"\n"), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    sizes = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_single(sizes, size, group=pg)
-    longest = int(sizes.max())
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload.to(device)
-    gathered = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    dist.all_gather_single(gathered, padded, group=pg)
-    rows = gathered.view(world, longest).cpu()
-    return [bytes(rows[r, : int(sizes[r])].tolist()).decode().split("\n") for r in range(world)]
+
+class _Exchange:
+    """One process group's share of the check: this rank's key and its peers' keys."""
+
+    def __init__(
+        self,
+        store: dist.distributed_c10d.Store,
+        role: str,
+        pg: dist.ProcessGroup,
+        timeout: datetime.timedelta,
+        api: str,
+    ) -> None:
+        self._store, self._timeout, self._api = store, timeout, api
+        self.ranks = dist.get_process_group_ranks(pg)
+        self._rank = dist.get_rank()
+        scope = hashlib.sha256(f"{role}:{self.ranks}".encode()).hexdigest()[:16]
+        self._scope = f"{_PREFIX}/{scope}"
+        ticket = store.add(f"{self._scope}/tickets", 1)
+        self.generation = (ticket - 1) // len(self.ranks)
+
+    def _key(self, rank: int, generation: int, what: str = "digest") -> str:
+        return f"{self._scope}/{generation}/{rank}/{what}"
+
+    def publish(self, payload: str, what: str = "digest") -> None:
+        self._store.set(self._key(self._rank, self.generation, what), payload)
+
+    def collect(self, what: str = "digest") -> list[str]:
+        """Every rank's ``what`` payload, in group-rank order; raises naming absent ranks."""
+        keys = [self._key(r, self.generation, what) for r in self.ranks]
+        try:
+            self._store.wait(keys, self._timeout)
+        except RuntimeError as exc:  # c10d's DistStoreError: "Wait timeout"
+            missing = [r for r, k in zip(self.ranks, keys, strict=True) if not self._present(k)]
+            if not missing:
+                raise
+            raise FSDPConsistencyError(
+                f"{self._api}: rank(s) {', '.join(map(str, missing))} of the process group "
+                f"with ranks {self.ranks} did not reach the root's first forward within "
+                f"{self._timeout.total_seconds():g} s, so the ranks cannot check that they "
+                "manage the same model. Run the first forward on every rank (a rank that "
+                "raised earlier says why in its own log), or raise the limit with "
+                f"{TIMEOUT_ENV}=<seconds>."
+            ) from exc
+        return [self._store.get(k).decode() for k in keys]
+
+    def agree(self, digest: str, nonce: int, lines: list[str]) -> int:
+        """Publish ``digest`` and ``nonce``; return the group's first rank's nonce."""
+        self.publish(f"{_DIGEST}{digest}:{nonce:x}")
+        rows = self.collect()
+        for row in rows:
+            if row.startswith(_FAILED):  # a peer's earlier group disagreed
+                raise FSDPConsistencyError(row[len(_FAILED) :])
+        self._forget_previous()
+        digests = [row.partition(":")[0] for row in rows]
+        if any(d != digests[0] for d in digests):
+            # Someone differs: every rank sees the same digests, so all take this path.
+            self.publish("\n".join(lines), "lines")
+            everyone = [row.split("\n") for row in self.collect("lines")]
+            raise FSDPConsistencyError(_first_difference(everyone, self.ranks, self._api))
+        return int(rows[0].partition(":")[2], 16)
+
+    def _forget_previous(self) -> None:
+        # Every peer wrote its key for this generation, so it is done with the previous one.
+        if self.generation == 0:
+            return
+        for what in ("digest", "lines"):
+            with contextlib.suppress(Exception):  # best effort: a store without delete
+                self._store.delete_key(self._key(self._rank, self.generation - 1, what))
+
+    def _present(self, key: str) -> bool:
+        try:
+            return bool(self._store.check([key]))
+        except Exception:  # a broken store: report the rank as missing
+            return False
 
 
 def _first_difference(per_rank: list[list[str]], ranks: list[int], api: str) -> str:

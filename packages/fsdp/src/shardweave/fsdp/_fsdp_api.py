@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    # torch's public policy dataclasses, accepted wherever ours are: for annotations only, so
+    # importing shardweave never loads torch's FSDP package (tools/check_layout.py allows
+    # exactly these names)
+    from torch.distributed.fsdp import (  # noqa: TID251
+        MixedPrecisionPolicy as TorchMixedPrecisionPolicy,
+    )
+    from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy  # noqa: TID251
 
 __all__ = [
     "AllGather",
@@ -103,6 +115,42 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+if TYPE_CHECKING:
+    AnyMixedPrecisionPolicy: TypeAlias = "MixedPrecisionPolicy | TorchMixedPrecisionPolicy"
+    AnyOffloadPolicy: TypeAlias = "OffloadPolicy | TorchOffloadPolicy"
+
+
+def torch_policy_types() -> tuple[type, type, type] | None:
+    """torch's ``MixedPrecisionPolicy``, ``OffloadPolicy`` and ``CPUOffloadPolicy`` when
+    ``torch.distributed.fsdp`` is loaded, else None (then no object can be one of them)."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    if module is None:
+        return None
+    return module.MixedPrecisionPolicy, module.OffloadPolicy, module.CPUOffloadPolicy
+
+
+def as_own_policies(mp_policy: object, offload_policy: object) -> tuple[object, object]:
+    """torch's policy objects converted to ours, field by field (the dataclasses have the same
+    fields: a field torch adds later fails here, loudly, instead of being dropped); anything
+    else is returned unchanged for the caller to check."""
+    torch_types = torch_policy_types()
+    if torch_types is None:
+        return mp_policy, offload_policy
+    torch_mp, torch_offload, torch_cpu_offload = torch_types
+    if isinstance(mp_policy, torch_mp):
+        mp_policy = MixedPrecisionPolicy(**_fields(mp_policy))
+    if isinstance(offload_policy, torch_cpu_offload):
+        offload_policy = CPUOffloadPolicy(**_fields(offload_policy))
+    elif isinstance(offload_policy, torch_offload):
+        # torch offloads only for its CPUOffloadPolicy; any other OffloadPolicy means none
+        offload_policy = OffloadPolicy()
+    return mp_policy, offload_policy
+
+
+def _fields(policy: object) -> dict[str, Any]:  # values checked by our __post_init__
+    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}  # type: ignore[arg-type]
 
 
 class Comm(ABC):

@@ -187,9 +187,11 @@ class FSDPParam:
                 f"{param.device}"
             )
         if not data.is_contiguous():
+            # starts with torch 2.13's sentence, which users and torch's tests match on
             raise NotImplementedError(
-                f"fully_shard requires contiguous parameters, but '{self.param_fqn}' has shape "
-                f"{tuple(data.shape)} and stride {data.stride()} (e.g. channels_last); call "
+                "FSDP does not support non-contiguous parameters yet: "
+                f"param.shape={param.shape} param.stride()={param.stride()}; fully_shard "
+                f"needs '{self.param_fqn}' contiguous (it is e.g. channels_last): call "
                 "module.to(memory_format=torch.contiguous_format) first"
             )
         shard_dim = 0 if placement is None else placement.dim

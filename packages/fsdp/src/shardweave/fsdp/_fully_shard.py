@@ -7,7 +7,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast, overload
+from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, Protocol, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,8 @@ from shardweave.fsdp._fsdp_api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ReduceScatter,
+    as_own_policies,
+    torch_policy_types,
 )
 from shardweave.fsdp._fsdp_init import (
     managed_modules,
@@ -47,6 +49,7 @@ from shardweave.mesh import (
 if TYPE_CHECKING:
     from torch.distributed.tensor import Shard
 
+    from shardweave.fsdp._fsdp_api import AnyMixedPrecisionPolicy, AnyOffloadPolicy
     from shardweave.fsdp._fsdp_common import ShardPlacementResult
 
 __all__ = [
@@ -60,42 +63,56 @@ __all__ = [
 ShardPlacementFn = Callable[[nn.Parameter], "Shard | ShardPlacementResult | None"]
 
 
-@overload
-def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: ShardPlacementFn | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> FSDPModule: ...
+class FullyShardFn(Protocol):
+    """The type of ``fully_shard``: the function (module or list overloads) and ``state``.
+
+    torch's composable ``contract`` gives its ``fully_shard`` a ``state(module)`` attribute;
+    a Protocol keeps ours typed under ``mypy --strict`` while it stays a plain function.
+    """
+
+    @overload
+    def __call__(
+        self,
+        module: nn.Module,
+        *,
+        mesh: DeviceMesh | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+        shard_placement_fn: ShardPlacementFn | None = ...,
+        mp_policy: AnyMixedPrecisionPolicy = ...,
+        offload_policy: AnyOffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ) -> FSDPModule: ...
+
+    @overload
+    def __call__(
+        self,
+        module: list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+        shard_placement_fn: ShardPlacementFn | None = ...,
+        mp_policy: AnyMixedPrecisionPolicy = ...,
+        offload_policy: AnyOffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ) -> list[nn.Module]: ...
+
+    def state(self, module: nn.Module | FSDPModule) -> FSDPState | None:
+        """The ``FSDPState`` that ``fully_shard`` attached to ``module``, or None when
+        ``fully_shard`` was not applied to it (a submodule of a sharded module, a module of
+        ``replicate``, a plain module), as torch's ``fully_shard.state`` returns."""
+        ...
 
 
-@overload
-def fully_shard(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: ShardPlacementFn | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> list[nn.Module]: ...
-
-
-def fully_shard(
+def _fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: ShardPlacementFn | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
+    mp_policy: AnyMixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: AnyOffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> FSDPModule | list[nn.Module]:
@@ -131,7 +148,9 @@ def fully_shard(
         dp_mesh_dims: names the data-parallel dims when ``mesh`` is a full SPMD mesh.
 
     Returns:
-        The module (now also an ``FSDPModule``), or the same list.
+        The module (now also an ``FSDPModule``), or the same list. Afterwards
+        ``fully_shard.state(module)`` returns the state attached to each module passed (the
+        roots of a list), and None for any other module, as torch's does.
 
     Differences from torch:
         At the root's first forward every rank compares a digest of what it manages (names,
@@ -142,13 +161,20 @@ def fully_shard(
     modules = module_arguments(module, api)
     for m in modules:
         existing = get_fsdp_state(m)
+        if existing is not None and existing.api_name == api:
+            # starts with torch 2.13's sentence (its `contract` raises it), which users match on
+            raise AssertionError(
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"{api} has already been applied to {type(m).__name__}: remove the second call "
+                "(change settings with the FSDPModule setters instead)"
+            )
         if existing is not None:
             raise AssertionError(
                 f"{api} was already applied to {type(m).__name__} (by {existing.api_name}); "
                 "each distinct composable distributed API can only be applied to a module once: "
                 "remove the second call (change settings with the FSDPModule setters instead)"
             )
-    check_policy_types(mp_policy, offload_policy, api)
+    mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, api)
     validate_shard_placement_fn(shard_placement_fn, api)
     validate_ignored_params(ignored_params, api)
     if reshard_after_forward is not None:
@@ -210,6 +236,26 @@ def fully_shard(
     return module
 
 
+def with_state(fn: Callable[..., object], api: str) -> object:
+    """``fn`` with a ``state(module)`` attribute returning the state ``api`` attached to a
+    module (None for any other module), as torch's ``contract`` decorator adds; the caller
+    casts the result to its Protocol."""
+
+    def state(module: nn.Module | FSDPModule) -> FSDPState | None:
+        found = get_fsdp_state(cast(nn.Module, module))
+        return found if found is not None and found.api_name == api else None
+
+    state.__qualname__ = f"{api}.state"
+    state.__doc__ = f"The state ``{api}`` attached to ``module``, or None."
+    # named after the public binding, so pickling finds it and reprs read as torch's
+    fn.__name__ = fn.__qualname__ = api
+    fn.state = state  # type: ignore[attr-defined]
+    return fn
+
+
+fully_shard: Final[FullyShardFn] = cast(FullyShardFn, with_state(_fully_shard, "fully_shard"))
+
+
 def attach_engine(
     modules: tuple[nn.Module, ...],
     ignored_params: set[nn.Parameter] | None,
@@ -249,26 +295,35 @@ def attach_engine(
         swap_class(root, module_cls, prefix)
 
 
-def check_policy_types(mp_policy: object, offload_policy: object, api: str = "fully_shard") -> None:
+def resolve_policies(
+    mp_policy: object, offload_policy: object, api: str = "fully_shard"
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """Our policy objects for ``mp_policy`` and ``offload_policy``: ours as they are, torch's
+    (``torch.distributed.fsdp``) converted field by field; anything else raises TypeError."""
+    mp_policy, offload_policy = as_own_policies(mp_policy, offload_policy)
+    torch_types = torch_policy_types() or ()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        if isinstance(mp_policy, type) and issubclass(mp_policy, MixedPrecisionPolicy):
+        mp_classes = (MixedPrecisionPolicy, *torch_types[:1])
+        if isinstance(mp_policy, type) and issubclass(mp_policy, mp_classes):
             fix = "instantiate it: mp_policy=MixedPrecisionPolicy(param_dtype=...)"
         elif isinstance(mp_policy, torch.dtype):
             fix = f"pass mp_policy=MixedPrecisionPolicy(param_dtype={mp_policy})"
         else:
             fix = "pass mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)"
         raise TypeError(
-            f"{api}: mp_policy must be a MixedPrecisionPolicy instance, got "
-            f"{type(mp_policy).__name__} {mp_policy!r:.80}; {fix}"
+            f"{api}: mp_policy must be a MixedPrecisionPolicy instance (shardweave.fsdp's or "
+            f"torch.distributed.fsdp's), got {type(mp_policy).__name__} {mp_policy!r:.80}; {fix}"
         )
     if not isinstance(offload_policy, OffloadPolicy):
-        if isinstance(offload_policy, type) and issubclass(offload_policy, OffloadPolicy):
+        offload_classes = (OffloadPolicy, *torch_types[1:2])
+        if isinstance(offload_policy, type) and issubclass(offload_policy, offload_classes):
             fix = f"instantiate it: offload_policy={offload_policy.__name__}()"
         else:
             fix = "pass offload_policy=CPUOffloadPolicy() to offload, or omit it"
         raise TypeError(
-            f"{api}: offload_policy must be an OffloadPolicy instance, got "
-            f"{type(offload_policy).__name__} {offload_policy!r:.80}; {fix}"
+            f"{api}: offload_policy must be an OffloadPolicy instance (shardweave.fsdp's or "
+            f"torch.distributed.fsdp's), got {type(offload_policy).__name__} "
+            f"{offload_policy!r:.80}; {fix}"
         )
     if (
         isinstance(offload_policy, CPUOffloadPolicy)
@@ -281,6 +336,7 @@ def check_policy_types(mp_policy: object, offload_policy: object, api: str = "fu
             "default), which needs an accelerator, and none is available; pass "
             "offload_policy=CPUOffloadPolicy(pin_memory=False)"
         )
+    return mp_policy, offload_policy
 
 
 def root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:

@@ -228,13 +228,15 @@ def resolve_mesh_info(
             return FSDPMeshInfo(mesh, shard_mesh_dim=0)
         if mesh.ndim == 2:
             if mesh.mesh_dim_names is None:
+                # both messages start with torch 2.13's sentence (what users match on)
                 raise MeshValidationError(
+                    "Please init the 2D mesh for HSDP with mesh_dim_names specified; "
                     f"{api}: a 2-D mesh means HSDP (replicate, shard) and needs dim names; "
                     "create it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
                 )
             return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
         raise MeshValidationError(
-            f"{api} expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; "
+            f"{api} expects a 1D or 2D DeviceMesh but got {mesh}; "
             "for a mesh with tensor- or pipeline-parallel dims pass "
             "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...) naming the data-parallel dims"
         )

@@ -8,7 +8,7 @@ prefetch, mixed precision, the all-reduce hook) works unchanged.
 
 from __future__ import annotations
 
-from typing import cast, overload
+from typing import TYPE_CHECKING, Final, Protocol, cast, overload
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,7 +20,12 @@ from shardweave.fsdp._fsdp_init import (
     validate_module,
 )
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
-from shardweave.fsdp._fully_shard import attach_engine, build_groups, check_policy_types
+from shardweave.fsdp._fully_shard import (
+    attach_engine,
+    build_groups,
+    resolve_policies,
+    with_state,
+)
 from shardweave.mesh import (
     DataParallelMeshDims,
     DDPMeshInfo,
@@ -31,6 +36,9 @@ from shardweave.mesh import (
     resolve_mesh_info,
 )
 from shardweave.mesh._dims import check_mesh_argument
+
+if TYPE_CHECKING:
+    from shardweave.fsdp._fsdp_api import AnyMixedPrecisionPolicy, AnyOffloadPolicy
 
 __all__ = ["ReplicateModule", "replicate"]
 
@@ -65,36 +73,46 @@ class ReplicateModule(FSDPModule):
     """
 
 
-@overload
-def replicate(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> ReplicateModule: ...
+class ReplicateFn(Protocol):
+    """The type of ``replicate``: the function (module or list overloads) and ``state``, as
+    torch's ``contract`` decorator gives its ``replicate``."""
+
+    @overload
+    def __call__(
+        self,
+        module: nn.Module,
+        *,
+        mesh: DeviceMesh | None = ...,
+        mp_policy: AnyMixedPrecisionPolicy = ...,
+        offload_policy: AnyOffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ) -> ReplicateModule: ...
+
+    @overload
+    def __call__(
+        self,
+        module: list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = ...,
+        mp_policy: AnyMixedPrecisionPolicy = ...,
+        offload_policy: AnyOffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
+    ) -> list[nn.Module]: ...
+
+    def state(self, module: nn.Module | FSDPModule) -> ReplicateState | None:
+        """The ``ReplicateState`` that ``replicate`` attached to ``module``, or None when
+        ``replicate`` was not applied to it, as torch's ``replicate.state`` returns."""
+        ...
 
 
-@overload
-def replicate(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: DataParallelMeshDims | None = ...,
-) -> list[nn.Module]: ...
-
-
-def replicate(
+def _replicate(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
+    mp_policy: AnyMixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: AnyOffloadPolicy = OffloadPolicy(),  # noqa: B008 (stateless)
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> ReplicateModule | list[nn.Module]:
@@ -131,13 +149,13 @@ def replicate(
                 "or apply replicate() to a submodule before fully_shard() on the parent"
             )
         if state is not None:
+            # starts with torch 2.13's sentence (its `contract` raises it), which users match on
             raise AssertionError(
-                f"replicate was already applied to {type(m).__name__}; each distinct "
-                "composable distributed API can only be applied to a module once: remove the "
-                "second call"
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"{api} has already been applied to {type(m).__name__}: remove the second call"
             )
         validate_module(m, api)
-    check_policy_types(mp_policy, offload_policy, api)
+    mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, api)
     validate_ignored_params(ignored_params, api)
     mesh = mesh if mesh is not None else default_mesh(mesh_dim_names=("replicate",))
     check_mesh_argument(mesh, api)
@@ -151,7 +169,7 @@ def replicate(
     else:
         if mesh.ndim != 1:
             raise MeshValidationError(
-                f"replicate expects a 1D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; for "
+                f"replicate expects a 1D DeviceMesh but got {mesh}; for "
                 "replicate x tensor parallel pass dp_mesh_dims=DataParallelMeshDims(replicate=...)"
             )
         mesh_info = DDPMeshInfo(mesh, replicate_mesh_dim=0)
@@ -184,3 +202,6 @@ def replicate(
     if isinstance(module, nn.Module):
         return cast(ReplicateModule, module)
     return module
+
+
+replicate: Final[ReplicateFn] = cast(ReplicateFn, with_state(_replicate, "replicate"))
