@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import run_ranks
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -92,19 +90,7 @@ def main() -> None:
         help="FSDPModule.set_implicit_forward_prefetch() on the root (and every child)",
     )
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_worker, args=(r, args.world_size, store_path, args, out))
-            for r in range(args.world_size)
-        ]
-        for p in procs:
-            p.start()
-        per_rank = dict(out.get(timeout=900) for _ in procs)
-        for p in procs:
-            p.join()
+    per_rank = run_ranks(_worker, args.world_size, args)
     steps = len(per_rank[0])
     slowest = [
         {k: max(per_rank[r][i][k] for r in per_rank) for k in (*KINDS, "step_ms")}

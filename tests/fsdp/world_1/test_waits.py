@@ -24,31 +24,44 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _timed_waits() -> list[tuple[str, str]]:
-    """(file, enclosing function) of every ``<x>.wait(...)`` call given a timeout."""
+    """(file, innermost enclosing function) of every ``<x>.wait(...)`` given a timeout."""
     found = []
     for path in sorted((ROOT / "packages").glob("*/src/shardweave/**/*.py")):
         tree = ast.parse(path.read_text(), str(path))
-        for func in ast.walk(tree):
-            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        funcs = [
+            f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "wait"
+                # a class's own wait (the planner's simulated schedule) is no Work
+                and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+                # Work.wait(timeout) / wait(timeout=...); the seam's InFlight.wait takes
+                # (streams, stream) and is not a host wait on its own
+                and (len(node.args) == 1 or any(k.arg == "timeout" for k in node.keywords))
+            ):
                 continue
-            for node in ast.walk(func):
-                if (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "wait"
-                    # a class's own wait (the planner's simulated schedule) is no Work
-                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
-                    # Work.wait(timeout) / wait(timeout=...); the seam's InFlight.wait takes
-                    # (streams, stream) and is not a host wait on its own
-                    and (len(node.args) == 1 or any(k.arg == "timeout" for k in node.keywords))
-                ):
-                    found.append((path.name, func.name))
+            enclosing = [f for f in funcs if f.lineno <= node.lineno <= (f.end_lineno or f.lineno)]
+            innermost = max(enclosing, key=lambda f: f.lineno)
+            found.append((path.name, innermost.name))
     return sorted(set(found))
 
 
+# Every timed ``.wait(...)`` in package code, and why it is allowed. A new one fails the test
+# until it is reviewed here: on an accelerator a timed Work.wait aborts the communicator.
+ALLOWED_TIMED_WAITS = {
+    ("_fault.py", "_timed_wait"): "Work.wait, reached only for CPU devices (see _fault.wait)",
+    ("_fault.py", "finished"): "threading.Event.wait: the hand-off for gloo's reduce-scatter",
+    ("_watchdog.py", "_run"): "threading.Event.wait: the watchdog thread's poll interval",
+}
+
+
 def test_only_the_cpu_poll_waits_with_a_timeout() -> None:
-    """Closed form: the one timed ``wait`` in package code is ``_fault._timed_wait``."""
-    assert _timed_waits() == [("_fault.py", "_timed_wait")]
+    """Closed form: the one timed ``Work.wait`` in package code is ``_fault._timed_wait``;
+    the other timed waits are host-side events, listed with their reasons."""
+    assert _timed_waits() == sorted(ALLOWED_TIMED_WAITS)
 
 
 class FakeWork:
@@ -140,13 +153,15 @@ def waits_by_device(rank: int, world: int) -> dict[str, list[Any]]:
 
 
 def test_no_timed_wait_off_cpu(world1: WorkerPool) -> None:
-    """Closed form: off CPU every wait is untimed (and the collective runs stream-ordered,
-    ``async_op=False``, unless a ``Work`` is asked for); on CPU the same calls poll with a
-    timeout, so the fakes reach the timed path. The consumer stream always waits the event."""
+    """Closed form: off CPU every wait is untimed (the collective is ordered on its stream at
+    issue unless a ``Work`` is asked for); on CPU the same calls poll with a timeout, so the
+    fakes reach the timed path. The consumer stream always waits the event."""
     poll = datetime.timedelta(seconds=0.5)
     [seen] = world1.run(waits_by_device)
     assert seen["fault.wait cpu"] == [poll]
     assert seen["fault.wait cuda"] == [None]
     assert seen["issue cpu host_wait=False"] == [[True], [poll], True]
-    assert seen["issue meta host_wait=False"] == [[False], [], True]  # no Work kept or waited
+    # Stream-ordered: the Work is waited once, untimed, inside the stream context at issue
+    # (what async_op=False does on NCCL); the watchdog polls it, nothing waits on it later.
+    assert seen["issue meta host_wait=False"] == [[True], [None], True]
     assert seen["issue meta host_wait=True"] == [[True], [None], True]

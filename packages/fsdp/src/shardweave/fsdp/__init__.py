@@ -6,7 +6,12 @@ Switching from torch is one import::
 """
 
 from shardweave.fsdp._consistency import FSDPConsistencyError
-from shardweave.fsdp._fault import CollectiveMismatchError, PeerFailureError, failure_guard
+from shardweave.fsdp._fault import (
+    CollectiveMismatchError,
+    PeerExitedError,
+    PeerFailureError,
+    failure_guard,
+)
 from shardweave.fsdp._fsdp_api import (
     AllGather,
     Comm,
@@ -38,6 +43,7 @@ from shardweave.fsdp._trace import (
     trace,
 )
 from shardweave.fsdp._version import __version__
+from shardweave.fsdp._watchdog import set_stall_timeout
 from shardweave.mesh import DataParallelMeshDims
 
 __all__ = [
@@ -54,6 +60,7 @@ __all__ = [
     "MemoryRecord",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "PeerExitedError",
     "PeerFailureError",
     "ReduceScatter",
     "ShardPlacementResult",
@@ -68,6 +75,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "save_safetensors",
     "set_full_state_dict",
+    "set_stall_timeout",
     "share_comm_ctx",
     "trace",
 ]

@@ -21,6 +21,7 @@ Design note: collective checks (opt-in)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import hashlib
@@ -39,6 +40,7 @@ from shardweave.fsdp._consistency import FSDPConsistencyError
 __all__ = [
     "CHECK_ENV",
     "CollectiveMismatchError",
+    "PeerExitedError",
     "PeerFailureError",
     "checks_enabled",
     "failure_guard",
@@ -73,11 +75,33 @@ class PeerFailureError(RuntimeError):
     """
 
 
-class CollectiveMismatchError(FSDPConsistencyError):
-    """Ranks were about to issue collectives that do not match (collective checks).
+class PeerExitedError(PeerFailureError):
+    """A peer's process exited (or stopped answering) while this rank waited for it.
 
-    Only raised with checks on, which cost one small all-gather before every collective:
-    turn them on to find why a job hangs, not for production runs. A subclass of
+    Raised on every rank still in the step when the watchdog's stall diagnosis (see
+    ``set_stall_timeout``) finds a rank of the stalled collective's group that no longer
+    answers. The message names the rank, and the collective, group and step this rank
+    waited in. The process group cannot be used again.
+
+    Example::
+
+        try:
+            train_step()
+        except PeerExitedError as e:
+            print(e)  # "... rank 3 did not answer within 3 s (its process exited ...)"
+            dist.destroy_process_group()
+            raise SystemExit(1)
+    """
+
+
+class CollectiveMismatchError(FSDPConsistencyError):
+    """Ranks issued (or were about to issue) collectives that do not match.
+
+    Raised by the watchdog's stall diagnosis (on by default, see ``set_stall_timeout``) when a
+    rank is at another collective or in another step than the one its peers wait in (it
+    skipped a module or left the step), and by the opt-in collective checks before a
+    mismatched collective is issued at all (they cost one small all-gather per collective:
+    turn them on to find why a job hangs, not for production runs). A subclass of
     ``FSDPConsistencyError``, so one ``except`` catches both.
 
     Example::
@@ -117,8 +141,9 @@ def _store() -> dist.distributed_c10d.Store | None:
         return None
 
 
-def _key(*parts: object) -> str:
-    return "/".join((_PREFIX, str(_STATE.epoch), *(str(p) for p in parts)))
+def _key(*parts: object, epoch: int | None = None) -> str:
+    scope = _STATE.epoch if epoch is None else epoch
+    return "/".join((_PREFIX, str(scope), *(str(p) for p in parts)))
 
 
 # --- lifecycle ----------------------------------------------------------------------------------
@@ -136,6 +161,12 @@ def new_step() -> None:
     """The root's forward started a new iteration."""
     _STATE.step += 1
     _STATE.seq = 0
+
+
+def next_collective() -> tuple[int, int]:
+    """The (step, sequence number) of the collective the seam is about to issue."""
+    _STATE.seq += 1
+    return _STATE.step, _STATE.seq
 
 
 def set_checks(enabled: bool, stall_timeout: float | None = None) -> None:
@@ -198,10 +229,40 @@ _previous_hook: Callable[[type[BaseException], BaseException, TracebackType | No
 _previous_hook = sys.excepthook
 
 
+def publish_verdict(kind: str, message: str, epoch: int) -> None:
+    """Publish the watchdog's diagnosis (``kind`` names the error class) as ``epoch``'s
+    failure, so every rank waiting in the engine raises it (first failure wins). The epoch is
+    the diagnosed collective's: a diagnosis that outlives its model must not fail the next."""
+    store = _store()
+    if store is None or epoch == 0:
+        return
+    with contextlib.suppress(Exception):
+        store.compare_set(_key("failure", epoch=epoch), "", f"{_VERDICT}{kind}:{message}")
+
+
+def exit_record(rank: int) -> str | None:
+    """What ``rank`` wrote when its process ended (None: nothing, e.g. killed)."""
+    store = _store()
+    key = _key("exit", rank)
+    try:
+        return store.get(key).decode() if store is not None and store.check([key]) else None
+    except Exception:
+        return None
+
+
+def _record_exit(reason: str) -> None:
+    store = _store()
+    if store is None or _STATE.epoch == 0:
+        return
+    with contextlib.suppress(Exception):
+        store.set(_key("exit", dist.get_rank()), reason)
+
+
 def _excepthook(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> None:
     publish_failure(exc, "uncaught")
+    _record_exit(f"exited with an uncaught {exc_type.__name__}: {exc}")
     _previous_hook(exc_type, exc, tb)
 
 
@@ -210,6 +271,9 @@ def _install_excepthook() -> None:
     if sys.excepthook is not _excepthook:
         _previous_hook = sys.excepthook
         sys.excepthook = _excepthook
+
+
+atexit.register(lambda: _record_exit("exited (its Python process ended)"))
 
 
 def _peer_failure() -> str | None:
@@ -246,12 +310,43 @@ def _timed_wait(work: dist.Work) -> bool:
     return False
 
 
+def _wait_on_thread(work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
+    """Wait for ``work`` on a daemon thread of its own; for Works whose ``wait(timeout)``
+    ignores the timeout.
+
+    gloo's reduce-scatter is one: its timed wait blocks until the collective completes (and
+    its ``is_completed()`` and future are not implemented), so a training thread waiting on it
+    could not look at the failure channel. Handing the wait to another thread lets the
+    training thread keep polling. One thread per wait: after a failure the thread stays
+    blocked until the backend gives up (its error is dropped), and must not hold up later
+    waits.
+    """
+    done, errors = threading.Event(), list[BaseException]()
+
+    def run() -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # reported to the waiting thread, if it still waits
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="shardweave-wait", daemon=True).start()
+    return done, errors
+
+
 def wait(
-    work: dist.Work | None, what: str | Callable[[], str], device: torch.device | None = None
+    work: dist.Work | None,
+    what: str | Callable[[], str],
+    device: torch.device | None = None,
+    *,
+    ignores_timeout: bool = False,
 ) -> None:
     """``work.wait()`` that gives up when a peer has published a failure.
 
     ``what`` names the collective in the error (a callable defers building the text).
+    ``ignores_timeout``: the Work's timed wait blocks anyway (gloo's reduce-scatter); it is
+    then waited on a thread of its own while this one polls (``_wait_on_thread``).
 
     Only on CPU (``device`` None or of type ``cpu``): there the backend runs the collective
     on its own threads and a timed wait merely wakes the host to look at the failure channel.
@@ -264,15 +359,47 @@ def wait(
     if (device is not None and device.type != "cpu") or _STATE.epoch == 0 or _store() is None:
         work.wait()
         return
-    while not _timed_wait(work):
+    if ignores_timeout:
+        done, errors = _wait_on_thread(work)
+
+        def finished() -> bool:
+            if done.wait(POLL_INTERVAL.total_seconds()):
+                if errors:
+                    raise errors[0]
+                return True
+            return False
+
+    else:
+
+        def finished() -> bool:
+            return _timed_wait(work)
+
+    while not finished():
         failure = _peer_failure()
         if failure is not None:
-            raise PeerFailureError(
-                f"{failure}; this rank ({dist.get_rank()}) was waiting for it in "
-                f"{what if isinstance(what, str) else what()}. "
-                "The process group cannot be reused after a collective was abandoned: "
-                "destroy it (torch.distributed.destroy_process_group()) and restart"
-            )
+            raise _failure_error(failure, what if isinstance(what, str) else what())
+
+
+_VERDICT = "verdict:"
+_VERDICT_TYPES: dict[str, type[Exception]] = {}
+
+
+def verdict_error(kind: str, message: str) -> Exception:
+    """The exception a watchdog verdict of ``kind`` raises."""
+    return _VERDICT_TYPES.get(kind, PeerFailureError)(message)
+
+
+def _failure_error(failure: str, what: str) -> Exception:
+    """The exception for a published failure: a watchdog verdict keeps its own type."""
+    here = f"this rank ({dist.get_rank()}) was waiting in {what}"
+    if failure.startswith(_VERDICT):
+        kind, _, message = failure[len(_VERDICT) :].partition(":")
+        cls = _VERDICT_TYPES.get(kind, PeerFailureError)
+        return cls(f"{message} [{here}]")
+    return PeerFailureError(
+        f"{failure}; {here}. The process group cannot be reused after a collective was "
+        "abandoned: destroy it (torch.distributed.destroy_process_group()) and restart"
+    )
 
 
 # --- collective checks ----------------------------------------------------------------------
@@ -309,6 +436,7 @@ def check_collective(
     numel: int,
     dtype: torch.dtype,
     device: torch.device | None = None,
+    seq: int | None = None,
 ) -> None:
     """Refuse (on every rank of ``group``) a collective that peers would not issue identically.
 
@@ -316,11 +444,12 @@ def check_collective(
     they are waited without a timeout (see ``wait``), so a missing peer is found by the stall
     diagnosis there, not by this check.
     """
-    _STATE.seq += 1
+    if seq is None:
+        seq = next_collective()[1]
     gid = _hash(name)
     _STATE.names[gid] = name
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    sig = [_STATE.step, _STATE.seq, gid, _KINDS.index(kind), numel, dtype_code]
+    sig = [_STATE.step, seq, gid, _KINDS.index(kind), numel, dtype_code]
     mine = _describe(sig)
     store = _store()
     if store is not None:
@@ -353,9 +482,7 @@ def _wait_or_name_missing(work: dist.Work, group: dist.ProcessGroup, mine: str) 
     while not _timed_wait(work):
         failure = _peer_failure()
         if failure is not None:
-            raise PeerFailureError(
-                f"{failure}; this rank ({dist.get_rank()}) was waiting for it before the {mine}"
-            )
+            raise _failure_error(failure, f"the collective check before the {mine}")
         if time.monotonic() - start < _STATE.stall_timeout:
             continue
         missing = _missing_peers(group, mine)
@@ -388,3 +515,8 @@ def _missing_peers(group: dist.ProcessGroup, mine: str) -> list[str]:
                 f"{seen if seen is not None else 'start of this model'})"
             )
     return out
+
+
+_VERDICT_TYPES.update(
+    {"CollectiveMismatchError": CollectiveMismatchError, "PeerExitedError": PeerExitedError}
+)

@@ -13,9 +13,11 @@ Design note: the collective seam
     event there. Waiting makes the consuming stream wait for that event and, where the
     backend completes work on its own threads (CPU: gloo, the threaded test group), waits for
     the ``Work`` on the host, polling the failure channel (``_fault.wait``). On accelerators
-    the comm runs with ``async_op=False`` inside the stream context, so the backend orders it
-    on that stream and the host never blocks; only ``unshard(async_op=True)`` keeps a
-    ``Work``, waited without a timeout (stream-ordered on NCCL). The c10d calls themselves come
+    the comm's ``Work`` is waited at once, untimed, inside the stream context, so the backend
+    orders it on that stream (as ``async_op=False`` would) and the host never blocks; only
+    ``unshard(async_op=True)`` keeps the ``Work`` for later, waited without a timeout
+    (stream-ordered on NCCL). Every ``Work`` is also handed to the watchdog (``_watchdog``),
+    which polls it for completion to diagnose stalls. The c10d calls themselves come
     from the ``COLLECTIVES`` extension point (c10d by default, shipped by this package).
 """
 
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _fault, _trace
+from shardweave.fsdp import _fault, _trace, _watchdog
 from shardweave.fsdp._fsdp_api import AllGather, ReduceScatter
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
 from shardweave.mesh.extension_points import COLLECTIVES, Collectives
@@ -285,6 +287,8 @@ class InFlight:
     work: dist.Work | None  # waited on the host (CPU backends, async unshards); else None
     event: Any  # recorded on the issuing stream after the collective; None on CPU
     record: CollectiveRecord | None = None  # the tracer's, when tracing
+    tracked: _watchdog.Tracked | None = None  # the watchdog's entry
+    ignores_timeout: bool = False  # see _fault._wait_on_thread (gloo's reduce-scatter)
     done: bool = field(default=False, init=False)
 
     def wait(self, streams: CommStreams, stream: Any) -> None:
@@ -299,9 +303,24 @@ class InFlight:
             if record is not None and record.wait_ns is None:
                 record.wait_ns = _trace.now()
             with streams.use(stream):  # NCCL orders an untimed wait on the current stream
-                _fault.wait(self.work, self.what, self.device)
+                try:
+                    _fault.wait(
+                        self.work, self.what, self.device, ignores_timeout=self.ignores_timeout
+                    )
+                except (_fault.PeerFailureError, _fault.CollectiveMismatchError):
+                    raise
+                except RuntimeError as error:
+                    # The backend gave up (a peer's connection closed): name the rank.
+                    named = _watchdog.explain(self.tracked) if self.tracked else None
+                    if named is None:
+                        raise
+                    raise named from error
         if self.record is not None:
             self.record.complete_ns = _trace.now()
+        if self.tracked is not None:
+            # Waited: done, whatever is_completed() says (gloo's reduce-scatter finishes its
+            # copy inside wait() and its Work never reports completion).
+            self.tracked.finished = True
 
     def abandon(self) -> None:
         """Wait for the work after a failed step, swallowing its error (nothing reads it)."""
@@ -309,6 +328,8 @@ class InFlight:
             self.done = True
             with contextlib.suppress(Exception):
                 _fault.wait(self.work, self.what, self.device)
+        if self.tracked is not None:
+            self.tracked.finished = True
 
 
 def issue(
@@ -331,17 +352,38 @@ def issue(
     ``host_wait`` keeps the ``Work`` for a later host-side wait on accelerators too (torch's
     ``unshard(async_op=True)``); on CPU it is always kept.
     """
+    step, seq = _fault.next_collective()
     if _fault.checks_enabled():
-        _fault.check_collective(group, kind, name, tensor.numel(), tensor.dtype, tensor.device)
+        _fault.check_collective(
+            group, kind, name, tensor.numel(), tensor.dtype, tensor.device, seq=seq
+        )
     record = None
     if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
         key = trace_key if isinstance(trace_key, str) else trace_key()
         record = _trace.ACTIVE.collective_issue(kind, key, tensor, group)
-    keep_work = host_wait or tensor.device.type == "cpu"
+    host_side = host_wait or tensor.device.type == "cpu"
     with streams.use(stream):
-        work = launch(keep_work)
+        # Always a Work, for the watchdog to poll. On accelerators an untimed wait inside the
+        # stream context orders the collective on `stream` (what async_op=False does) and
+        # costs the host nothing.
+        work = launch(True)
+        if work is not None and not host_side:
+            work.wait()
         event = stream.record_event()
-    return InFlight(what, tensor.device, work if keep_work else None, event, record)
+    tracked = None
+    if work is not None:
+        tracked = _watchdog.Tracked(step, seq, kind, name, group, tensor.device.type, work)
+        _watchdog.track(tracked)
+    return InFlight(
+        what,
+        tensor.device,
+        work if host_side else None,
+        event,
+        record,
+        tracked,
+        # gloo's reduce-scatter blocks in a timed wait; other CPU collectives honor it.
+        ignores_timeout=kind == "reduce_scatter" and tensor.device.type == "cpu",
+    )
 
 
 @dataclass

@@ -13,7 +13,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from shardweave.fsdp import _fault, _trace
+from shardweave.fsdp import _fault, _trace, _watchdog
 from shardweave.fsdp._consistency import check_ranks_agree, describe_groups
 from shardweave.fsdp._fsdp_common import (
     TrainingState,
@@ -185,6 +185,7 @@ class FSDPState:
             self.api_name,
         )
         _fault.new_epoch(nonce)
+        _watchdog.new_epoch()
         self._register_failure_hooks(root)
 
     def _register_failure_hooks(self, root: nn.Module) -> None:

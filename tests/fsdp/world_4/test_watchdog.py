@@ -1,0 +1,24 @@
+"""The watchdog's stall diagnosis at world size 4 (the last rank is the faulty one). Oracle:
+the error contract (type, text naming the rank and the module, time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._dist import WorkerPool
+from tests.fsdp import _watchdog_cases as cases
+from tests.fsdp._watchdog_cases import SLACK_S
+
+
+@pytest.mark.parametrize("case", ["raises_in_optimizer", "leaves_the_step", "skips_a_module"])
+def test_fault_named_within_threshold(world4: WorkerPool, case: str) -> None:
+    """Ranks 0-2 each raise CollectiveMismatchError naming rank 3."""
+    elapsed = world4.run(getattr(cases, case), timeout=60.0)
+    for t in elapsed[:3]:
+        assert 0 < t < cases.THRESHOLD_S + SLACK_S, elapsed
+
+
+def test_slow_rank_is_not_an_error(world4: WorkerPool) -> None:
+    """Rank 3 is 3 s late (default settings): no error anywhere."""
+    elapsed = world4.run(cases.slow_rank, timeout=60.0)
+    assert min(elapsed[:3]) >= 2.5, elapsed
