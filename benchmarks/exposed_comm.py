@@ -26,33 +26,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from _spawn import run_ranks
+from _spawn import run_ranks, shardweave_step
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    from _workloads import WORKLOADS
-
+    step = shardweave_step(rank, world, store_path, args.workload, args.implicit_forward_prefetch)
     from shardweave.fsdp import trace
-
-    workload = next(w for w in WORKLOADS if w.name == args.workload)
-    torch.manual_seed(0)
-    model = workload.wrap("shardweave", workload.build())
-    if args.implicit_forward_prefetch:
-        model.set_implicit_forward_prefetch()  # type: ignore[operator]
-    opt = workload.make_optimizer(model.parameters())
-    batch = workload.make_batch(rank)
-
-    def step() -> None:
-        workload.loss(model, batch).backward()
-        opt.step()
-        opt.zero_grad()
 
     for _ in range(args.warmup):
         step()

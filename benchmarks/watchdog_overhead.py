@@ -24,30 +24,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _spawn import run_ranks
+from _spawn import run_ranks, shardweave_step
 
 
 def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
-    )
-    from _workloads import WORKLOADS
-
+    train_step = shardweave_step(rank, world, store_path, args.workload)
     from shardweave.fsdp import _watchdog, set_stall_timeout
-
-    workload = next(w for w in WORKLOADS if w.name == args.workload)
-    torch.manual_seed(0)
-    model = workload.wrap("shardweave", workload.build())
-    opt = workload.make_optimizer(model.parameters())
-    batch = workload.make_batch(rank)
 
     def step() -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        workload.loss(model, batch).backward()
-        opt.step()
-        opt.zero_grad()
+        train_step()
         elapsed = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed.item())

@@ -31,9 +31,11 @@ def _run(
     world: int,
     fault: Callable[[torch.nn.Module, int], None],
     expect: tuple[type[BaseException], str],
+    key: str,
     threshold: float = THRESHOLD_S,
 ) -> float:
-    """Healthy step, then ``fault`` on the last rank (the others run a normal step)."""
+    """Healthy step, then ``fault`` on the last rank (the others run a normal step); rank 0
+    sets ``key`` when done, releasing a faulty rank that waits outside the engine."""
     faulty = world - 1
     set_stall_timeout(threshold)
     try:
@@ -53,6 +55,8 @@ def _run(
         return elapsed
     finally:
         set_stall_timeout(DEFAULT_STALL_S)
+        if rank == 0:
+            dist.distributed_c10d._get_default_store().set(key, "1")
 
 
 def _leave_and_wait(key: str) -> Callable[[torch.nn.Module, int], None]:
@@ -69,8 +73,18 @@ def _leave_and_wait(key: str) -> Callable[[torch.nn.Module, int], None]:
     return fault
 
 
-def _release(key: str) -> None:
-    dist.distributed_c10d._get_default_store().set(key, "1")
+def raises_in_forward(rank: int, world: int) -> float:
+    """The last rank raises in block 1's forward: published by the engine's forward hook, so
+    the others raise PeerFailureError at once (no stall threshold needed)."""
+    key = f"watchdog/forward/{world}"
+
+    def fault(net: torch.nn.Module, r: int) -> None:
+        net.blocks[1].fail_on = (r, 2)  # type: ignore[index,union-attr]
+        with pytest.raises(ValueError, match="boom in block"):
+            _step(net, r, 1)
+        _leave_and_wait(key)(net, r)
+
+    return _run(rank, world, fault, (PeerFailureError, r"raised ValueError: boom in block"), key)
 
 
 def raises_in_backward(rank: int, world: int) -> float:
@@ -85,11 +99,7 @@ def raises_in_backward(rank: int, world: int) -> float:
             out.sum().backward()
         _leave_and_wait(key)(net, r)
 
-    try:
-        return _run(rank, world, fault, (CollectiveMismatchError, r"rank \d+ has issued no"))
-    finally:
-        if rank == 0:
-            _release(key)
+    return _run(rank, world, fault, (CollectiveMismatchError, r"rank \d+ has issued no"), key)
 
 
 def raises_in_optimizer(rank: int, world: int) -> float:
@@ -102,27 +112,20 @@ def raises_in_optimizer(rank: int, world: int) -> float:
             raise RuntimeError("optimizer step failed (a NaN check, say)")
         _leave_and_wait(key)(net, r)
 
-    try:
-        return _run(rank, world, fault, (CollectiveMismatchError, r"step 2"))
-    finally:
-        if rank == 0:
-            _release(key)
+    return _run(rank, world, fault, (CollectiveMismatchError, r"step 2"), key)
 
 
 def leaves_the_step(rank: int, world: int, threshold: float = THRESHOLD_S) -> float:
     """The last rank returns early (before step 1) and waits elsewhere."""
     key = f"watchdog/leave/{world}/{threshold}"
-    try:
-        return _run(
-            rank,
-            world,
-            _leave_and_wait(key),
-            (CollectiveMismatchError, r"(?s)group 'blocks\.0'.*rank \d+ has issued no"),
-            threshold,
-        )
-    finally:
-        if rank == 0:
-            _release(key)
+    return _run(
+        rank,
+        world,
+        _leave_and_wait(key),
+        (CollectiveMismatchError, r"(?s)group 'blocks\.0'.*rank \d+ has issued no"),
+        key,
+        threshold,
+    )
 
 
 def skips_a_module(rank: int, world: int) -> float:
@@ -136,11 +139,7 @@ def skips_a_module(rank: int, world: int) -> float:
             _step(net, r, 1)
         _leave_and_wait(key)(net, r)
 
-    try:
-        return _run(rank, world, fault, (CollectiveMismatchError, r"blocks\.\d"))
-    finally:
-        if rank == 0:
-            _release(key)
+    return _run(rank, world, fault, (CollectiveMismatchError, r"blocks\.\d"), key)
 
 
 def slow_rank(rank: int, world: int) -> float:

@@ -12,10 +12,18 @@ from tests.fsdp._watchdog_cases import DEFAULT_STALL_S, SLACK_S
 
 
 @pytest.mark.parametrize(
-    "case", ["raises_in_backward", "raises_in_optimizer", "leaves_the_step", "skips_a_module"]
+    "case",
+    [
+        "raises_in_forward",
+        "raises_in_backward",
+        "raises_in_optimizer",
+        "leaves_the_step",
+        "skips_a_module",
+    ],
 )
 def test_fault_named_within_threshold(world2: WorkerPool, case: str) -> None:
-    """Every rank still in the step raises CollectiveMismatchError naming the faulty rank."""
+    """Every rank still in the step raises the case's error (PeerFailureError for a raise in
+    forward, CollectiveMismatchError otherwise) naming the faulty rank."""
     elapsed = world2.run(getattr(cases, case), timeout=60.0)
     assert 0 < elapsed[0] < cases.THRESHOLD_S + SLACK_S, elapsed
 
