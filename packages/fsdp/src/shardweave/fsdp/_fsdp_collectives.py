@@ -290,6 +290,8 @@ class InFlight:
     tracked: _watchdog.Tracked | None = None  # the watchdog's entry
     ignores_timeout: bool = False  # see _fault._wait_on_thread (gloo's reduce-scatter)
     done: bool = field(default=False, init=False)
+    # Its Work was waited on the host (CPU backends): the collective has finished writing.
+    waited_on_host: bool = field(default=False, init=False)
 
     def wait(self, streams: CommStreams, stream: Any) -> None:
         """Make ``stream`` wait for the collective (idempotent); see Design note: the
@@ -299,6 +301,7 @@ class InFlight:
         self.done = True
         wait_event(stream, self.event)
         if self.work is not None:
+            self.waited_on_host = True
             record = self.record
             if record is not None and record.wait_ns is None:
                 record.wait_ns = _trace.now()
@@ -320,7 +323,8 @@ class InFlight:
         if self.tracked is not None:
             # Waited: done, whatever is_completed() says (gloo's reduce-scatter finishes its
             # copy inside wait() and its Work never reports completion).
-            self.tracked.finished = True
+            self.tracked.finish()
+        self.work = None  # a finished Work only keeps its tensors alive
 
     def abandon(self) -> None:
         """Wait for the work after a failed step, swallowing its error (nothing reads it)."""
@@ -329,7 +333,7 @@ class InFlight:
             with contextlib.suppress(Exception):
                 _fault.wait(self.work, self.what, self.device)
         if self.tracked is not None:
-            self.tracked.finished = True
+            self.tracked.finish()
 
 
 def issue(

@@ -574,7 +574,7 @@ class FSDPParamGroup:
             else:
                 wait_event(streams.all_gather_copy_in, copy_out_event)
                 wait_event(streams.all_gather, copy_out_event)
-            if result.in_flight is not None and result.in_flight.work is not None:
+            if result.in_flight is not None and result.in_flight.waited_on_host:
                 release_finished_buffer(result.output, self._all_gather_comm)
         for p in self.fsdp_params:
             p.init_unsharded_param()

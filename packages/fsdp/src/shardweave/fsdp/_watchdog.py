@@ -98,8 +98,14 @@ class Tracked:
             done = bool(self.work.is_completed())
         except Exception:  # an aborted or failed Work: not ours to judge here
             done = True
-        self.finished = done
+        if done:
+            self.finish()
         return not done
+
+    def finish(self) -> None:
+        """Done: let go of the Work, which keeps its tensors (gradients, say) alive."""
+        self.finished = True
+        self.work = None
 
     def position(self) -> dict[str, Any]:
         return {
@@ -150,6 +156,10 @@ class Watchdog:
         with self._lock:
             self._last = entry  # this rank's position, answered even with diagnosis off
             if self.stall_timeout is not None:  # else no thread pops: keep nothing
+                # Drop what the engine already waited on, so the deque never outgrows the
+                # collectives actually in flight.
+                while self._tracked and self._tracked[0].finished:
+                    self._tracked.popleft()
                 self._tracked.append(entry)
 
     # --- the thread -----------------------------------------------------------------------
@@ -188,6 +198,8 @@ class Watchdog:
             ):
                 self._tracked.popleft()
             oldest = self._tracked[0] if self._tracked else None
+            if self._last is not None:
+                self._last.pending()  # lets go of its Work once complete (accelerators)
         if oldest is None or oldest.epoch == self._failed_epoch:
             return
         now = time.monotonic()
@@ -232,7 +244,7 @@ class Watchdog:
             return None
         entry.finished = False  # it did not complete: judge it as pending
         verdict = self._judge(store, entry, time.monotonic() - entry.issued, failed=True)
-        entry.finished = True
+        entry.finish()
         if verdict is None:
             return None
         self._fail(entry, *verdict)
