@@ -84,6 +84,8 @@ def _train(setup: str, shard: object, rank: int) -> dict[str, Any]:
         # a frame compiled after the first step is compiled again: a recompile
         "recompiles": frames_per_step[-1] - frames_per_step[0],
         "graph_breaks": sum(counters["graph_break"].values()),
+        # a break dynamo cannot resume from (e.g. in a loop) runs the whole frame eagerly
+        "skipped_frames": counters["frames"]["total"] - counters["frames"]["ok"],
     }
     torch._dynamo.reset()
     return result
@@ -103,9 +105,9 @@ def _compare(rank: int, world: int, setup: str) -> dict[str, int]:
     counts = {
         f"{key}_{who}": int(res[key])
         for who, res in (("ours", ours), ("torch", theirs))
-        for key in ("frames", "recompiles", "graph_breaks")
+        for key in ("frames", "recompiles", "graph_breaks", "skipped_frames")
     }
-    for key in ("frames", "recompiles", "graph_breaks"):
+    for key in ("frames", "recompiles", "graph_breaks", "skipped_frames"):
         assert counts[f"{key}_ours"] <= counts[f"{key}_torch"], (setup, counts)
     assert ours["ops"] == theirs["ops"], (setup, ours["ops"], theirs["ops"])  # same code compiled
     return counts
