@@ -17,7 +17,8 @@ Design note: hooks run eagerly
     dynamo can capture. Compiling a block, or the whole model, then graph-breaks around the
     hooks (or, for a compiled block whose hooks sit outside its compiled forward, not at all)
     and the hooks run as in eager mode, as torch's FSDP2 does with its own. Dynamo is imported
-    when ``fully_shard`` registers the first hooks, not when this package is imported.
+    (about a second, once per process) when ``fully_shard`` builds its first state, not when
+    this package is imported; torch's FSDP2 pays the same import at its first hook call.
 """
 
 from __future__ import annotations
