@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -31,10 +32,15 @@ def _build(setup: str, shard: object, backend: Any) -> tuple[nn.Module, nn.Modul
     """(the model whose parameters train, the callable to run it) for one setup."""
     model = make_model("gpt")
     assert isinstance(model, TinyGPT)
-    if setup == "compile_blocks_then_shard":  # torchtitan's order
+    if setup.startswith("compile_blocks_then_shard"):  # torchtitan's order
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
-        shard_blocks(model, shard)
+        kwargs: dict[str, Any] = {}
+        if setup.endswith("_bf16"):  # torch's policy object: fully_shard accepts it too
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        shard_blocks(model, shard, **kwargs)
         return model, model
     if setup == "compile_blocks_in_place_then_shard":
         for block in model.layers:
@@ -117,6 +123,7 @@ def _compare(rank: int, world: int, setup: str) -> dict[str, int]:
     "setup",
     [
         "compile_blocks_then_shard",
+        "compile_blocks_then_shard_bf16",
         "compile_blocks_in_place_then_shard",
         "shard_then_compile_blocks",
         "shard_then_compile_model",
