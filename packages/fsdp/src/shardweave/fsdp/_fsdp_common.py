@@ -8,6 +8,17 @@ Design note: tensor vocabulary
     the padded shards of one group laid end to end; *all-gather output*: every rank's input,
     rank-major. *reduce-scatter input*: the unsharded gradients chunked per rank, rank-major;
     its *output* is this rank's padded gradient shards laid end to end.
+
+Design note: hooks run eagerly
+    Every callable the engine hands to torch (forward pre/post hooks, the pre-backward tensor
+    hook, the post-backward autograd function's work, the root's final callback) goes through
+    ``run_eagerly`` where it is registered, so dynamo never traces into it: the hooks issue
+    asynchronous collectives, swap parameter storage and keep Python-side state, none of which
+    dynamo can capture. Compiling a block, or the whole model, then graph-breaks around the
+    hooks (or, for a compiled block whose hooks sit outside its compiled forward, not at all)
+    and the hooks run as in eager mode, as torch's FSDP2 does with its own. Dynamo is imported
+    (about a second, once per process) when ``fully_shard`` builds its first state, not when
+    this package is imported; torch's FSDP2 pays the same import at its first hook call.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from enum import Enum, auto
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 from torch.distributed.tensor import Shard
@@ -33,7 +44,21 @@ __all__ = [
     "dim_chunked_size",
     "in_backward",
     "replace_grad_tensors",
+    "run_eagerly",
 ]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def run_eagerly(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` such that dynamo runs it, and all it calls, without tracing (see Design note:
+    hooks run eagerly)."""
+    # torch.compiler.disable imports dynamo, which is heavy: only once hooks are registered.
+    disabled = torch.compiler.disable(  # type: ignore[no-untyped-call]
+        fn, recursive=True, reason="shardweave FSDP hooks run eagerly"
+    )
+    return cast("Callable[_P, _R]", disabled)
 
 
 class TrainingState(Enum):

@@ -45,6 +45,7 @@ from shardweave.fsdp._fsdp_common import (
     collect_grad_tensors,
     in_backward,
     replace_grad_tensors,
+    run_eagerly,
 )
 from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
@@ -255,6 +256,8 @@ class FSDPParamGroup:
         self._all_reduce_hook_stream: Any = None  # set_all_reduce_hook(stream=...)
         # Point 4: recorded by an int reshard_after_forward, waited by the next unshard.
         self._reshard_after_forward_event: Any = None
+        # RegisterPostBackwardFunction's work; see Design note: hooks run eagerly (_fsdp_common).
+        self.post_backward_hook = run_eagerly(self.post_backward)
         self._flatten_sharded_storage()
 
     # --- communication controls ---------------------------------------------------------------
@@ -858,7 +861,7 @@ class RegisterPostBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ctx.group.post_backward()
+        ctx.group.post_backward_hook()
         return (None, *grads)
 
 

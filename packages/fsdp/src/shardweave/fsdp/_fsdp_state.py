@@ -20,6 +20,7 @@ from shardweave.fsdp._fsdp_common import (
     apply_to_tensors,
     cast_floating,
     collect_grad_tensors,
+    run_eagerly,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
 from shardweave.fsdp._fsdp_streams import wait_event
@@ -89,6 +90,13 @@ class FSDPState:
                 )
         for module in modules:
             _STATES[module] = self
+        # What torch calls back into, each made once and run outside dynamo's tracing (see
+        # Design note: hooks run eagerly, _fsdp_common); register_fsdp_forward_method uses the
+        # forward pair too.
+        self.pre_forward_hook = run_eagerly(self._pre_forward)
+        self.post_forward_hook = run_eagerly(self._post_forward)
+        self._pre_backward_hook = run_eagerly(self._pre_backward)
+        self._final_callback = run_eagerly(self._root_post_backward_final_callback)
         self._register_forward_hooks()
 
     def detach(self) -> None:
@@ -106,9 +114,11 @@ class FSDPState:
         if len(modules) == 1:
             module = modules[0]
             self._hook_handles.append(
-                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+                module.register_forward_pre_hook(
+                    self.pre_forward_hook, prepend=True, with_kwargs=True
+                )
             )
-            self._hook_handles.append(module.register_forward_hook(self._post_forward))
+            self._hook_handles.append(module.register_forward_hook(self.post_forward_hook))
             return
         # fully_shard([a, b]): one group, several modules, possibly not all run per pass.
         every = set(modules)
@@ -132,10 +142,12 @@ class FSDPState:
 
         for module in modules:
             self._hook_handles.append(
-                module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
+                module.register_forward_pre_hook(
+                    run_eagerly(pre_hook), prepend=True, with_kwargs=True
+                )
             )
             self._hook_handles.append(
-                module.register_forward_hook(make_post_hook(module), always_call=True)
+                module.register_forward_hook(run_eagerly(make_post_hook(module)), always_call=True)
             )
 
     # --- lazy init ----------------------------------------------------------------------------
@@ -200,7 +212,7 @@ class FSDPState:
             self._exc_at_forward = None
 
         # A forward hook, not a pre-hook: this runs inside the pre-hooks' iteration.
-        self._hook_handles.append(root.register_forward_hook(leave, always_call=True))
+        self._hook_handles.append(root.register_forward_hook(run_eagerly(leave), always_call=True))
 
     @classmethod
     def state_class_for_root(cls) -> type[FSDPState]:
@@ -369,7 +381,7 @@ class FSDPState:
                     UserWarning,
                     stacklevel=3,
                 )
-            tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
+            tensor.register_hook(self._pre_backward_hook)  # type: ignore[no-untyped-call]
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
@@ -389,7 +401,7 @@ class FSDPState:
         if ctx.post_backward_final_callback_queued:
             return
         ctx.post_backward_final_callback_queued = True
-        Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
+        Variable._execution_engine.queue_callback(self._final_callback)
 
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._state_ctx
