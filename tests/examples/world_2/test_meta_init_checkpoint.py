@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from examples import meta_init_checkpoint as ex
 from tests._dist import WorkerPool
+from tests._dist.sync import barrier
 
 
 def body(rank: int, world: int, path: str) -> None:
@@ -27,7 +27,7 @@ def body(rank: int, world: int, path: str) -> None:
             assert torch.equal(full[key], value), key
     else:
         assert full == {}
-    dist.barrier()
+    barrier()
 
 
 def test_meta_init_checkpoint(world2: WorkerPool, tmp_path: Path) -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import tomllib
 import torch
-import torch.distributed as dist
 
 from examples import plugin_usage as ex
 from shardweave.mesh.extension_points import ALL_GATHER
 from tests._dist import WorkerPool
+from tests._dist.sync import barrier
 
 PACKAGE = Path(__file__).resolve().parents[3] / "examples" / "plugin_package"
 
@@ -66,7 +66,7 @@ def body(rank: int, world: int) -> None:
         got = full[3 * r : 3 * (r + 1)]
         torch.testing.assert_close(got, expected)
         assert (got - s).abs().max() <= scale / 2 + 1e-6
-    dist.barrier()
+    barrier()
 
 
 def test_plugin_package(world2: WorkerPool) -> None:

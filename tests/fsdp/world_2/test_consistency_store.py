@@ -25,6 +25,7 @@ from shardweave.fsdp import FSDPConsistencyError, fully_shard
 from shardweave.fsdp._consistency import TIMEOUT_ENV, check_ranks_agree
 from shardweave.mesh import FSDPMeshInfo
 from tests._dist import WorkerPool
+from tests._dist.sync import barrier
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp.world_2.test_features import count_collectives
 
@@ -122,7 +123,7 @@ def nonces_agree_and_keys_are_bounded(rank: int, world: int) -> None:
     assert all(g == nonces for g in gathered), gathered
     # each rank deleted its key of every generation but the last one; allow the other rank's
     # deletions to be not yet done (it may still be finishing its last check)
-    dist.barrier()
+    barrier()
     assert store.num_keys() - keys_before <= world, (keys_before, store.num_keys())
 
 

@@ -37,6 +37,7 @@ from shardweave.fsdp import (
     set_full_state_dict,
 )
 from tests._dist import WorkerPool, seed_everything
+from tests._dist.sync import barrier
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 
 # ---------------------------------------------------------------- helpers shared with world_4
@@ -75,7 +76,7 @@ def shared_tmpdir() -> str:
 
 
 def cleanup(path: str) -> None:
-    dist.barrier()
+    barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -399,7 +400,7 @@ def safetensors_compat(rank: int, world: int) -> None:
         theirs = os.path.join(tmp, f"theirs-{kind}.safetensors")
         if rank == 0:
             save_file({k: v.clone() for k, v in ref.state_dict().items()}, theirs)
-        dist.barrier()
+        barrier()
         fresh, _, _ = sharded_pair(kind, seed=9, dtype=dtype)
         load_safetensors(fresh, theirs)
         assert_same_local_shards(fresh, model, f"{kind} from save_file")
@@ -408,7 +409,7 @@ def safetensors_compat(rank: int, world: int) -> None:
     theirs = os.path.join(tmp, "save_model.safetensors")
     if rank == 0:
         save_model(ref, theirs)
-    dist.barrier()
+    barrier()
     fresh, _, _ = sharded_pair("gpt", seed=9)
     keys = load_safetensors(fresh, theirs)
     assert keys.missing_keys == [], keys

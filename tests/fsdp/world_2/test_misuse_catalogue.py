@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from tests._dist import WorkerPool
+from tests._dist.sync import barrier
 
 SAME: Final = "same"
 SILENT: Final = "silent"
@@ -810,7 +811,7 @@ def catalogue(rank: int, world_size: int) -> dict[str, list[str]]:
         if problems:
             report[case.id] = problems
         # a failed case must not leave the ranks out of step for the next one
-        dist.barrier()
+        barrier()
     return report
 
 

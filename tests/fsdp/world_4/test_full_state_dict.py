@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,6 +29,7 @@ from shardweave.fsdp import (
     set_full_state_dict,
 )
 from tests._dist import WorkerPool, seed_everything
+from tests._dist.sync import barrier
 from tests.fsdp.world_2.test_full_state_dict import (
     assert_equal_sd,
     assert_same_local_shards,
@@ -98,7 +98,7 @@ def fsdp_tp(rank: int, world: int) -> None:
     assert_same_local_shards(model, tmodel, "fsdp+tp load vs torch")
     for key, value in model.state_dict().items():
         assert torch.equal(value.full_tensor(), src[key]), key
-    dist.barrier()
+    barrier()
 
 
 def test_full_state_dict_fsdp_tp(world4: WorkerPool) -> None:

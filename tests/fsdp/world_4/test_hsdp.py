@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardweave.fsdp import fully_shard
 from tests._dist import WorkerPool, assert_close
+from tests._dist.sync import barrier
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch
 from tests.fsdp.world_2.test_features import count_collectives
@@ -279,7 +280,7 @@ def hsdp_state_dict_dcp(rank: int, world: int) -> None:
             dcp.load(target, checkpoint_id=paths[0])
             target_model.load_state_dict(target["model"])
     finally:
-        dist.barrier()
+        barrier()
         if rank == 0:
             shutil.rmtree(paths[0], ignore_errors=True)
     for (key, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
