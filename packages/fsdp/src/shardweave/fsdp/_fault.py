@@ -9,6 +9,12 @@ Design note: the failure channel
     extra: the first timed wait simply returns. The key is scoped to the current root lazy
     init (``epoch``), so a failure in one job does not leak into a model built later.
 
+    The watchdog's stall diagnosis (``_watchdog``) publishes its verdict through the same key,
+    tagged with the error class (``verdict:<class>:<message>``), so a waiting rank raises
+    ``CollectiveMismatchError`` or ``PeerExitedError`` rather than ``PeerFailureError``. This
+    timed poll runs on CPU only; on accelerators a ``Work.wait(timeout)`` would abort the
+    communicator, and the watchdog aborts the group instead.
+
 Design note: collective checks (opt-in)
     With checks on (``FSDPModule.set_collective_checks`` or ``SHARDWEAVE_CHECK_COLLECTIVES=1``)
     every engine collective is preceded by an all-gather of its signature (step, sequence
