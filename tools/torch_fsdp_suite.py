@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,7 @@ SWAPS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     "torch.distributed._composable.fsdp": ("shardweave.fsdp", FSDP_NAMES),
     "torch.distributed._composable.replicate_with_fsdp": ("shardweave.replicate", ("replicate",)),
 }
+_EXC_LINE: Final = re.compile(r"^E?\s*((?:[\w.]+\.)?\w*(?:Error|Exception|Timeout)\b:.*)$")
 MARKER_ENV: Final = "SHARDWEAVE_SUITE_MARKERS"
 EXPECT_ENV: Final = "SHARDWEAVE_SUITE_EXPECT"
 PLUGIN_MODULE: Final = "shardweave_suite_check"
@@ -199,8 +201,7 @@ def parse_junit(path: Path, file_name: str) -> dict[str, Outcome]:
         result, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
-                first = (child.get("message") or "").strip().splitlines()[:1]
-                message = first[0][:300] if first else ""
+                message = failure_reason(child.get("message") or "", child.text or "")
                 if child.tag == "skipped":
                     xfail = child.get("type") == "pytest.xfail"
                     result = "xfail" if xfail else "skipped"
@@ -209,6 +210,20 @@ def parse_junit(path: Path, file_name: str) -> dict[str, Outcome]:
                 break
         outcomes[test_id] = Outcome(result, float(case.get("time", "0") or 0.0), message)
     return outcomes
+
+
+def failure_reason(message: str, text: str) -> str:
+    """One line: the first ``SomeError: ...`` line of the report, else its first line.
+
+    torch's multi-thread and multi-process test cases wrap the rank's exception in
+    ``RuntimeError: Thread N exited with exception:``; the wrapped one is the reason.
+    """
+    for line in (text or message).splitlines():
+        match = _EXC_LINE.match(line)
+        if match and "exited with exception" not in line and "Process " not in match.group(1):
+            return match.group(1)[:300]
+    first = message.strip().splitlines()[:1]
+    return first[0][:300] if first else ""
 
 
 def run_file(
@@ -383,8 +398,9 @@ def print_report(
     regressions = report["fail_only_with_shardweave"]
     assert isinstance(regressions, list)
     print(f"\npass with torch, fail with shardweave: {len(regressions)}")
+    reasons = {str(row["test"]): row["shardweave"] for row in rows}
     for test_id in regressions:
-        print(f"  {test_id}")
+        print(f"  {test_id}\n      {reasons[test_id]['message']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,3 +96,15 @@ def test_fails_loudly_without_swap(
     monkeypatch.setattr(tool, "render_sitecustomize", lambda: "")  # a swap that does nothing
     with pytest.raises(SystemExit, match="the swap did not take"):
         tool.main(["--tests", str(tmp_path), "--only", "shardweave", "--timeout", "60"])
+
+
+def test_failure_reason_unwraps_rank_exception(tool: ModuleType) -> None:
+    text = (
+        "RuntimeError: Thread 1 exited with exception:\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n'
+        "E           AttributeError: 'FSDPState' object has no attribute '_fsdp_param_group'\n"
+    )
+    reason = tool.failure_reason("RuntimeError: Thread 1 exited with exception:", text)
+    assert reason == "AttributeError: 'FSDPState' object has no attribute '_fsdp_param_group'"
+    assert tool.failure_reason("assert 1 == 2\nmore", "") == "assert 1 == 2"
