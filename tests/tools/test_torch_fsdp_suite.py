@@ -1,0 +1,110 @@
+"""tools/torch_fsdp_suite.py on a tiny fake test file: the swap takes, results are compared."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+FAKE_TESTS = """\
+import unittest
+
+import pytest
+import shardweave.fsdp
+import shardweave.replicate
+from torch.distributed._composable.fsdp import FSDPModule
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import fully_shard
+
+
+def test_torch_engine():
+    assert fully_shard is not shardweave.fsdp.fully_shard
+
+
+def test_passes_with_both():
+    assert callable(fully_shard)
+
+
+def test_skipped():
+    pytest.skip("needs CUDA")
+
+
+class TestSwap(unittest.TestCase):
+    def test_names(self):
+        self.assertIs(fully_shard, shardweave.fsdp.fully_shard)
+        self.assertIs(FSDPModule, shardweave.fsdp.FSDPModule)
+        self.assertIs(replicate, shardweave.replicate.replicate)
+"""
+
+
+@pytest.fixture(scope="module")
+def tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "torch_fsdp_suite", REPO / "tools" / "torch_fsdp_suite.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["torch_fsdp_suite"] = module  # dataclasses look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sitecustomize_compiles(tool: ModuleType) -> None:
+    source = tool.render_sitecustomize()
+    compile(source, "sitecustomize.py", "exec")
+    assert "torch.distributed._composable.replicate_with_fsdp" in source
+
+
+def test_compare_on_fake_file(tool: ModuleType, tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_fake.py").write_text(FAKE_TESTS)
+    out = tmp_path / "report.json"
+    rc = tool.main(["--tests", str(tests), "--timeout", "60", "--out", str(out)])
+    report = json.loads(out.read_text())
+    results = {
+        row["test"]: (row["torch"]["result"], row["shardweave"]["result"])
+        for row in report["tests"]
+    }
+    assert results == {
+        "test_fake.py::TestSwap::test_names": ("failed", "passed"),
+        "test_fake.py::test_passes_with_both": ("passed", "passed"),
+        "test_fake.py::test_skipped": ("skipped", "skipped"),
+        "test_fake.py::test_torch_engine": ("passed", "failed"),
+    }
+    assert report["fail_only_with_shardweave"] == ["test_fake.py::test_torch_engine"]
+    assert report["counts"]["test_fake.py"] == {
+        "torch": {"passed": 2, "failed": 1, "skipped": 1},
+        "shardweave": {"passed": 2, "failed": 1, "skipped": 1},
+    }
+    swap = report["runs"]["test_fake.py"]["shardweave"]["swap"]
+    assert "torch.distributed.fsdp.fully_shard" in swap["patched"]
+    assert swap["missing"] == []
+    assert rc == 1  # a test passes with torch and fails with shardweave
+
+
+def test_fails_loudly_without_swap(
+    tool: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "test_fake.py").write_text("def test_ok():\n    pass\n")
+    monkeypatch.setattr(tool, "render_sitecustomize", lambda: "")  # a swap that does nothing
+    with pytest.raises(SystemExit, match="the swap did not take"):
+        tool.main(["--tests", str(tmp_path), "--only", "shardweave", "--timeout", "60"])
+
+
+def test_failure_reason_unwraps_rank_exception(tool: ModuleType) -> None:
+    text = (
+        "RuntimeError: Thread 1 exited with exception:\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n'
+        "E           AttributeError: 'FSDPState' object has no attribute '_fsdp_param_group'\n"
+    )
+    reason = tool.failure_reason("RuntimeError: Thread 1 exited with exception:", text)
+    assert reason == "AttributeError: 'FSDPState' object has no attribute '_fsdp_param_group'"
+    assert tool.failure_reason("assert 1 == 2\nmore", "") == "assert 1 == 2"
