@@ -24,6 +24,14 @@ from tests.fsdp._faults import _build, _fresh_mesh, _step
 
 THRESHOLD_S = 2.0
 SLACK_S = 5.0  # the target: an error within the stall threshold + 5 s
+# The fault cases every world size runs (functions below, by name).
+FAULTS = (
+    "raises_in_forward",
+    "raises_in_backward",
+    "raises_in_optimizer",
+    "leaves_the_step",
+    "skips_a_module",
+)
 
 
 def _run(

@@ -11,16 +11,7 @@ from tests.fsdp import _watchdog_cases as cases
 from tests.fsdp._watchdog_cases import DEFAULT_STALL_S, SLACK_S
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "raises_in_forward",
-        "raises_in_backward",
-        "raises_in_optimizer",
-        "leaves_the_step",
-        "skips_a_module",
-    ],
-)
+@pytest.mark.parametrize("case", cases.FAULTS)
 def test_fault_named_within_threshold(world2: WorkerPool, case: str) -> None:
     """Every rank still in the step raises the case's error (PeerFailureError for a raise in
     forward, CollectiveMismatchError otherwise) naming the faulty rank."""

@@ -10,16 +10,7 @@ from tests.fsdp import _watchdog_cases as cases
 from tests.fsdp._watchdog_cases import SLACK_S
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "raises_in_forward",
-        "raises_in_backward",
-        "raises_in_optimizer",
-        "leaves_the_step",
-        "skips_a_module",
-    ],
-)
+@pytest.mark.parametrize("case", cases.FAULTS)
 def test_fault_named_within_threshold(world4: WorkerPool, case: str) -> None:
     """Ranks 0-2 each raise the case's error naming rank 3."""
     elapsed = world4.run(getattr(cases, case), timeout=60.0)
