@@ -400,8 +400,7 @@ def _failure_error(failure: str, what: str) -> Exception:
     here = f"this rank ({dist.get_rank()}) was waiting in {what}"
     if failure.startswith(_VERDICT):
         kind, _, message = failure[len(_VERDICT) :].partition(":")
-        cls = _VERDICT_TYPES.get(kind, PeerFailureError)
-        return cls(f"{message} [{here}]")
+        return verdict_error(kind, f"{message} [{here}]")
     return PeerFailureError(
         f"{failure}; {here}. The process group cannot be reused after a collective was "
         "abandoned: destroy it (torch.distributed.destroy_process_group()) and restart"
@@ -441,8 +440,8 @@ def check_collective(
     name: str,
     numel: int,
     dtype: torch.dtype,
-    device: torch.device | None = None,
-    seq: int | None = None,
+    device: torch.device | None,
+    seq: int,
 ) -> None:
     """Refuse (on every rank of ``group``) a collective that peers would not issue identically.
 
@@ -450,8 +449,6 @@ def check_collective(
     they are waited without a timeout (see ``wait``), so a missing peer is found by the stall
     diagnosis there, not by this check.
     """
-    if seq is None:
-        seq = next_collective()[1]
     gid = _hash(name)
     _STATE.names[gid] = name
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)

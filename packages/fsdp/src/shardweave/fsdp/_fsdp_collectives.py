@@ -723,10 +723,12 @@ class GradientReduction:
             if output.dtype != self._orig_dtype:
                 output = output.to(self._orig_dtype)
             offset = 0
+            offloaded = False
             for fsdp_param in self._params:
                 numel = fsdp_param.padded_sharded_numel
-                if fsdp_param.assign_sharded_grad(output.narrow(0, offset, numel)):
-                    self.offload_event = post_stream.record_event()
+                offloaded |= fsdp_param.assign_sharded_grad(output.narrow(0, offset, numel))
                 offset += numel
             self.post_reduce_event = post_stream.record_event()
+            if offloaded:  # the same event orders the non-blocking device-to-host copies
+                self.offload_event = self.post_reduce_event
         return None

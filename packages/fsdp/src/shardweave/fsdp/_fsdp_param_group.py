@@ -114,8 +114,7 @@ class FSDPCommContext:
         can then be dropped."""
         state, self.all_gather_state = self.all_gather_state, None
         if state is not None and self._streams is not None:
-            wait_event(self._streams.all_gather_copy_in, state[1])
-            wait_event(self._streams.all_gather, state[1])
+            self._streams.all_gather_waits(state[1])
 
     def start_reduction(self, reduction: GradientReduction, device: torch.device) -> None:
         """Point 6: make room (at most ``reduce_scatter_max_input_buffers`` reduce-scatter
@@ -575,8 +574,7 @@ class FSDPParamGroup:
             if self._training_state == TrainingState.FORWARD:
                 self.comm_ctx.all_gather_state = (result, copy_out_event)
             else:
-                wait_event(streams.all_gather_copy_in, copy_out_event)
-                wait_event(streams.all_gather, copy_out_event)
+                streams.all_gather_waits(copy_out_event)
             if result.in_flight is not None and result.in_flight.waited_on_host:
                 release_finished_buffer(result.output, self._all_gather_comm)
         for p in self.fsdp_params:
@@ -753,9 +751,7 @@ class FSDPParamGroup:
                 current = streams.current()
                 result.in_flight.wait(streams, current)
                 # Point 3: dropping the buffers lets the all-gather streams reuse them.
-                event = current.record_event()
-                wait_event(streams.all_gather_copy_in, event)
-                wait_event(streams.all_gather, event)
+                streams.all_gather_waits(current.record_event())
             self._all_gather_result = None
             if _trace.ACTIVE is not None:
                 _trace.ACTIVE.discard_unshard(self)

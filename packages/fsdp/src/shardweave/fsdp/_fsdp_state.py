@@ -23,7 +23,6 @@ from shardweave.fsdp._fsdp_common import (
     run_eagerly,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
-from shardweave.fsdp._fsdp_streams import wait_event
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
@@ -316,8 +315,7 @@ class FSDPState:
         streams = self._comm_ctx.streams(self._device)
         event, self._state_ctx.post_optim_event = self._state_ctx.post_optim_event, None
         if event is not None:
-            wait_event(streams.all_gather_copy_in, event)
-            wait_event(streams.all_gather, event)
+            streams.all_gather_waits(event)
         else:
             current = streams.current()
             streams.all_gather_copy_in.wait_stream(current)

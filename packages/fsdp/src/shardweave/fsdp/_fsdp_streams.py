@@ -109,6 +109,12 @@ class CommStreams:
     def current(self) -> Any:
         return self.device_handle.current_stream()
 
+    def all_gather_waits(self, event: Any) -> None:
+        """Both all-gather streams wait for ``event`` (points 1 and 3): a copy-out or the
+        optimizer, whose memory they are about to reuse or read."""
+        wait_event(self.all_gather_copy_in, event)
+        wait_event(self.all_gather, event)
+
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Make ``stream`` current for the ops inside."""
         return self.device_handle.stream(stream)  # type: ignore[no-any-return]

@@ -54,6 +54,7 @@ class _Entry:
 class _Bucket:
     group: dist.ProcessGroup
     dtype: torch.dtype
+    device: torch.device
     entries: list[_Entry] = field(default_factory=list)
     numel: int = 0
     buffer: torch.Tensor | None = None
@@ -82,11 +83,10 @@ class GradBuckets:
     ) -> None:
         """Queue ``owner``'s gradients (``grads`` is emptied: the bucket owns them now)."""
         self._streams = streams
-        device = grads[0].device
         key = (group, reduce_dtype)
         bucket = self._open.get(key)
         if bucket is None:
-            bucket = self._open[key] = _Bucket(group, reduce_dtype)
+            bucket = self._open[key] = _Bucket(group, reduce_dtype, grads[0].device)
         entry = _Entry(list(params), list(grads), orig_dtype, owner._fqn)
         if _trace.ACTIVE is not None:
             entry.nbytes = sum(g.numel() * g.element_size() for g in grads)
@@ -97,13 +97,14 @@ class GradBuckets:
         cap = FIRST_BUCKET_BYTES if self._sent_bytes == 0 else BUCKET_BYTES
         if bucket.numel * bucket.dtype.itemsize >= cap:
             del self._open[key]
-            self._send(bucket, device)
+            self._send(bucket)
 
-    def _send(self, bucket: _Bucket, device: torch.device) -> None:
+    def _send(self, bucket: _Bucket) -> None:
         # See Design note: stream ordering (_fsdp_streams): filled on the current stream,
         # reduced on the all-reduce stream, which first waits for the current one.
         streams = self._streams
         assert streams is not None
+        device = bucket.device
         buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
         sources = [g.reshape(-1) for e in bucket.entries for g in e.grads]
         views = list(torch.split(buffer, [s.numel() for s in sources]))
@@ -142,8 +143,7 @@ class GradBuckets:
     def finish(self) -> None:
         """Send what is open, wait for every bucket, and assign each parameter its gradient."""
         for bucket in list(self._open.values()):
-            assert bucket.entries and bucket.entries[0].grads
-            self._send(bucket, bucket.entries[0].grads[0].device)
+            self._send(bucket)
         self._open.clear()
         in_flight, self._in_flight = self._in_flight, []
         self._sent_bytes = 0

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from shardweave.fsdp import _fault
 
-__all__ = ["STALL_ENV", "Tracked", "get_stall_timeout", "new_epoch", "set_stall_timeout", "track"]
+__all__ = ["STALL_ENV", "Tracked", "new_epoch", "set_stall_timeout", "track"]
 
 logger = logging.getLogger("shardweave.fsdp")
 
@@ -390,7 +390,3 @@ def set_stall_timeout(seconds: float | None) -> None:
     WATCHDOG.stall_timeout = None if seconds is None else float(seconds)
     if seconds is not None and WATCHDOG._epoch != 0:
         WATCHDOG._ensure_started()
-
-
-def get_stall_timeout() -> float | None:
-    return WATCHDOG.stall_timeout
