@@ -64,6 +64,19 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+class TwoLinear(nn.Module):
+    """Linear(4, hidden) then Linear(hidden, 2): ranks that pass different ``hidden`` build
+    models that disagree in shape (the consistency-check tests)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, hidden)
+        self.b = nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "mlp":

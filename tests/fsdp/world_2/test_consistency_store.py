@@ -19,28 +19,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardweave.fsdp import FSDPConsistencyError, fully_shard
 from shardweave.fsdp._consistency import TIMEOUT_ENV, check_ranks_agree
 from shardweave.mesh import FSDPMeshInfo
 from tests._dist import WorkerPool
 from tests._dist.sync import barrier
+from tests.fsdp._counting import C10dOps
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp.world_2.test_features import count_collectives
-
-
-class C10dOps(TorchDispatchMode):
-    """Counts every c10d op (all collectives, barriers and broadcasts included) by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "c10d":
-            self.counts[f"c10d.{func.__name__}"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _first_step(api: Any, accumulate: bool, rank: int) -> dict[str, int]:

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.fsdp import FSDPConsistencyError, fully_shard
 from tests._dist import WorkerPool
+from tests.fsdp._models import TwoLinear
 
 
 class Scalar(nn.Module):
@@ -131,19 +132,9 @@ def test_message_starts_with_torchs_sentence(world2: WorkerPool, case: str) -> N
             assert mine.startswith(theirs) and len(mine) > len(theirs), (theirs, mine)
 
 
-class Net(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, hidden)
-        self.b = nn.Linear(hidden, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
-
-
 def divergent_model(rank: int, world: int, what: str) -> float:
     hidden = 8 if (what == "shape" and rank == world - 1) else 6
-    model = Net(hidden)
+    model = TwoLinear(hidden)
     if what == "dtype" and rank == world - 1:
         model.b.double()
     if what == "structure" and rank == world - 1:

@@ -11,31 +11,21 @@ import time
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.fsdp import FSDPConsistencyError, fully_shard
 from tests._dist import WorkerPool
-from tests.fsdp.world_2.test_consistency_store import C10dOps
+from tests.fsdp._counting import C10dOps
+from tests.fsdp._models import TwoLinear
 from tests.fsdp.world_2.test_features import count_collectives
-
-
-class Net(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, hidden)
-        self.b = nn.Linear(hidden, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
 
 
 def divergent_hsdp(rank: int, world: int) -> tuple[float, str]:
     """Rank 3 differs: its shard group {2, 3} disagrees; ranks 0 and 1 (whose shard group
     agrees) learn it from their replicate groups {0, 2} and {1, 3}."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = Net(8 if rank == 3 else 6)
+    model = TwoLinear(8 if rank == 3 else 6)
     fully_shard(model.a, mesh=mesh)
     fully_shard(model, mesh=mesh)
     started = time.monotonic()
@@ -58,7 +48,7 @@ def first_step(rank: int, world: int) -> list[dict[str, int]]:
     for api in (fully_shard, torch_fully_shard):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
-        model = Net(6)
+        model = TwoLinear(6)
         api(model.a, mesh=mesh)
         api(model, mesh=mesh)
         with count_collectives() as counts, C10dOps() as ops:
