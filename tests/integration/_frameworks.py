@@ -4,7 +4,9 @@ the two engines under one name, and small comparisons."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -92,3 +94,16 @@ def assert_same_tensors(
 def reduce_scatters(counts: dict[str, int]) -> int:
     """Reduce-scatters among the c10d ops counted by ``tests.fsdp._counting.C10dOps``."""
     return sum(n for name, n in counts.items() if "reduce_scatter" in name)
+
+
+def no_torch_engine() -> ExitStack:
+    """Constructing any of torch's FSDP engine objects raises while the stack is open."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch's FSDP engine was constructed during a shardweave run")
+
+    stack = ExitStack()
+    for cls in (_fsdp_state.FSDPState, _fsdp_param_group.FSDPParamGroup, _fsdp_param.FSDPParam):
+        stack.enter_context(mock.patch.object(cls, "__init__", refuse))
+    return stack

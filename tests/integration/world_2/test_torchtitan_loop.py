@@ -14,10 +14,8 @@ objects (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``) cannot be constructed
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -30,7 +28,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from tests._dist import WorkerPool
 from tests.fsdp._models import TinyGPT, make_model
-from tests.integration._frameworks import ENGINES, assert_same_tensors, local_params
+from tests.integration._frameworks import (
+    ENGINES,
+    assert_same_tensors,
+    local_params,
+    no_torch_engine,
+)
 
 STEPS = 3
 MICRO = 2
@@ -122,21 +125,8 @@ def _run(engine: str, root: Path, rank: int) -> dict[str, Any]:
     return out
 
 
-def _no_torch_engine() -> ExitStack:
-    """Constructing any of torch's FSDP engine objects raises while the stack is open."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("torch's FSDP engine was constructed during a shardweave run")
-
-    stack = ExitStack()
-    for cls in (_fsdp_state.FSDPState, _fsdp_param_group.FSDPParamGroup, _fsdp_param.FSDPParam):
-        stack.enter_context(mock.patch.object(cls, "__init__", refuse))
-    return stack
-
-
 def torchtitan_parity(rank: int, world: int, root: str) -> list[float]:
-    with _no_torch_engine():
+    with no_torch_engine():
         ours = _run("shardweave", Path(root), rank)
     theirs = _run("torch", Path(root), rank)
     # torch's fully_shard makes 3 FSDP modules (2 blocks, the root); the compiled wrappers are not
