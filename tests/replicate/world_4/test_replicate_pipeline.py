@@ -60,7 +60,9 @@ def replicate_pipeline(rank: int, world: int, schedule: str) -> None:
         tag = f"{schedule} step {step} rank {rank}"
         if step > 0:  # the first step also runs the stage's shape inference
             assert ops["ours"] == ops["torch"], f"{tag}: {ops}"
-            assert ops["ours"]["c10d.allreduce_.default"] == 1, f"{tag}: one all-reduce per step, {ops}"
+            assert ops["ours"]["c10d.allreduce_.default"] == 1, (
+                f"{tag}: one all-reduce per step, {ops}"
+            )
         assert [t.item() for t in losses["ours"]] == [t.item() for t in losses["torch"]], tag
         assert_same_as_torch(models["ours"], models["torch"], tag)
         for opt in opts.values():
