@@ -54,15 +54,18 @@ def make_environment() -> Any:
 
         def set_world_size(self, size: int) -> None:
             if size != dist.get_world_size():
-                raise ValueError(f"Lightning asked for {size} processes, the group has "
-                                 f"{dist.get_world_size()}")
+                raise ValueError(
+                    f"Lightning asked for {size} processes, the group has {dist.get_world_size()}"
+                )
 
         def global_rank(self) -> int:
             return dist.get_rank()
 
         def set_global_rank(self, rank: int) -> None:
             if rank != dist.get_rank():
-                raise ValueError(f"Lightning computed rank {rank}, the group says {dist.get_rank()}")
+                raise ValueError(
+                    f"Lightning computed rank {rank}, the group says {dist.get_rank()}"
+                )
 
         def local_rank(self) -> int:
             return dist.get_rank()

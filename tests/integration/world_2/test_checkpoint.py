@@ -78,7 +78,10 @@ def getters_match(rank: int, world: int) -> None:
     for full in (False, True):
         options = StateDictOptions(full_state_dict=full, cpu_offload=full)
         got = {
-            name: (get_model_state_dict(m, options=options), get_optimizer_state_dict(m, o, options=options))
+            name: (
+                get_model_state_dict(m, options=options),
+                get_optimizer_state_dict(m, o, options=options),
+            )
             for name, (m, o) in trained.items()
         }
         ours, theirs = got["shardweave"], got["torch"]

@@ -57,7 +57,7 @@ def _module(engine: str) -> Any:
             # called before the Trainer clips: the norm of the reduced (averaged) gradients
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
-            self.grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            self.grad_norms.append(float(norm.full_tensor()))  # DTensor grads: a DTensor norm
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
@@ -137,4 +137,3 @@ def test_trainer_model_parallel_strategy(world2: WorkerPool, tmp_path: Path) -> 
     """Oracle: compatibility (torch's fully_shard under the same Trainer, bitwise)."""
     losses = world2.run(trainer_parity, str(tmp_path), timeout=300)
     assert losses[0] != losses[1]  # the ranks trained on different batches
-

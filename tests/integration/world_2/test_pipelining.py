@@ -16,6 +16,7 @@ reduce-scatter per FSDP group and step, not one per micro-batch).
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -52,9 +53,7 @@ SCHEDULES: dict[str, Any] = {
 
 def _blocks() -> list[nn.Module]:
     torch.manual_seed(0)
-    return [
-        nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(WIDTHS[:-1], WIDTHS[1:])
-    ]
+    return [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(WIDTHS)]
 
 
 def _batch(step: int, dp_rank: int, n_micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +102,9 @@ def _run(engine: str, pp_size: int, schedule: str, n_micro: int) -> dict[str, An
         out["losses"].append([loss.item() for loss in losses])
         opt.step()
         opt.zero_grad()
-    out["params"] = {f"{k}.{n}": t for k, m in enumerate(submods) for n, t in local_params(m).items()}
+    out["params"] = {
+        f"{k}.{n}": t for k, m in enumerate(submods) for n, t in local_params(m).items()
+    }
     out["groups"] = sum(1 for m in submods for b in m if any(True for _ in b.parameters()))
     return out
 

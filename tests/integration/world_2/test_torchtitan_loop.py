@@ -84,12 +84,15 @@ def _train_step(
     for m, (idx, target) in enumerate(batches):
         model.set_requires_gradient_sync(m == MICRO - 1)  # type: ignore[operator]
         logits = model(idx)
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)),
-            target.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        ) / tokens
+        loss = (
+            F.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)),
+                target.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            / tokens
+        )
         loss.backward()
         losses.append(loss.item())
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
