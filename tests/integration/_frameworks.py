@@ -76,6 +76,19 @@ def make_environment() -> Any:
     return PoolEnvironment()
 
 
+def engine_of(model: nn.Module) -> str:
+    """Which engine manages ``model``: "shardweave" when it is our ``FSDPModule`` with our state,
+    "torch" for torch's (never an instance of ours), "none" otherwise."""
+    import shardweave.fsdp
+
+    if isinstance(model, shardweave.fsdp.FSDPModule):
+        state = shardweave.fsdp.fully_shard.state(model)
+        return "shardweave" if type(state).__module__.startswith("shardweave.") else "none"
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    return "torch" if isinstance(model, TorchFSDPModule) else "none"
+
+
 def local_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's local shard (a copy), by name."""
     out: dict[str, torch.Tensor] = {}

@@ -9,6 +9,7 @@ checkpoint continue exactly as the model that saved it).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,10 @@ from tests.fsdp._models import TinyGPT, make_batch, shard_blocks
 from tests.integration._frameworks import (
     ENGINES,
     assert_same_tensors,
+    engine_of,
     local_params,
     make_environment,
+    no_torch_engine,
     reduce_scatters,
 )
 
@@ -84,8 +87,14 @@ def _step(fabric: Any, model: Any, opt: Any, step: int, rank: int) -> dict[str, 
 
 
 def _run(engine: str, root: Path, rank: int) -> dict[str, Any]:
+    with no_torch_engine() if engine == "shardweave" else nullcontext():
+        return _train_save_load(engine, root, rank)
+
+
+def _train_save_load(engine: str, root: Path, rank: int) -> dict[str, Any]:
     fabric = _fabric(engine, full_checkpoint=False)
     model, opt = _setup(fabric)
+    assert engine_of(model.module) == engine
     steps = [_step(fabric, model, opt, s, rank) for s in range(STEPS)]
     fabric.save(root / "sharded", {"model": model, "optimizer": opt, "step": STEPS})
     _fabric(engine, full_checkpoint=True).save(root / "full.pt", {"model": model, "optimizer": opt})

@@ -10,6 +10,7 @@ parameters of the run that did not stop.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from tests.fsdp._models import TinyGPT, shard_blocks
 from tests.integration._frameworks import (
     ENGINES,
     assert_same_tensors,
+    engine_of,
     local_params,
     make_environment,
+    no_torch_engine,
 )
 
 STEPS = 4
@@ -97,6 +100,11 @@ def _trainer(root: Path, max_steps: int) -> Any:
 
 
 def _run(engine: str, root: Path) -> dict[str, Any]:
+    with no_torch_engine() if engine == "shardweave" else nullcontext():
+        return _fits(engine, root)
+
+
+def _fits(engine: str, root: Path) -> dict[str, Any]:
     whole = _module(engine)
     _trainer(root / "whole", STEPS).fit(whole, _loader())
 
@@ -109,6 +117,7 @@ def _run(engine: str, root: Path) -> dict[str, Any]:
 
     resumed = _module(engine)
     _trainer(root / "resumed", STEPS).fit(resumed, _loader(), ckpt_path=str(ckpt))
+    assert engine_of(whole.model) == engine == engine_of(resumed.model)
     return {
         "losses": whole.losses,
         "grad_norms": whole.grad_norms,

@@ -37,7 +37,9 @@ from tests.fsdp._counting import C10dOps
 from tests.integration._frameworks import (
     ENGINES,
     assert_same_tensors,
+    engine_of,
     local_params,
+    no_torch_engine,
     reduce_scatters,
 )
 
@@ -79,6 +81,7 @@ def _run(engine: str, pp_size: int, schedule: str, n_micro: int) -> dict[str, An
             ENGINES[engine](block, mesh=mesh["dp"])
         ENGINES[engine](submod, mesh=mesh["dp"])
         assert isinstance(submod, TorchFSDPModule), "pipelining needs torch's FSDPModule marker"
+        assert engine_of(submod) == engine
         submods.append(submod)
         stages.append(
             PipelineStage(submod, i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -110,7 +113,8 @@ def _run(engine: str, pp_size: int, schedule: str, n_micro: int) -> dict[str, An
 
 
 def pipeline_parity(rank: int, world: int, pp_size: int, schedule: str, n_micro: int) -> Any:
-    ours = _run("shardweave", pp_size, schedule, n_micro)
+    with no_torch_engine():
+        ours = _run("shardweave", pp_size, schedule, n_micro)
     theirs = _run("torch", pp_size, schedule, n_micro)
     tag = f"rank {rank} {schedule} pp={pp_size}"
     assert ours["losses"] == theirs["losses"], (tag, ours["losses"], theirs["losses"])

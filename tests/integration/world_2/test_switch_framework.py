@@ -23,7 +23,12 @@ from torch import nn
 import shardweave.fsdp
 from tests._dist import WorkerPool
 from tests.fsdp._models import TinyGPT, make_batch
-from tests.integration._frameworks import assert_same_tensors, local_params, no_torch_engine
+from tests.integration._frameworks import (
+    assert_same_tensors,
+    engine_of,
+    local_params,
+    no_torch_engine,
+)
 
 STEPS = 3
 
@@ -70,15 +75,9 @@ def _train(rank: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    # which engine manages each module accelerate wrapped (ours: shardweave's FSDPModule with
-    # shardweave's state; torch's modules are never instances of ours)
+    # which engine manages each module accelerate wrapped
     fsdp_modules = {
-        name: "shardweave"
-        if isinstance(m, shardweave.fsdp.FSDPModule)
-        and type(shardweave.fsdp.fully_shard.state(m)).__module__.startswith("shardweave.")
-        else "torch"
-        for name, m in model.named_modules()
-        if isinstance(m, shardweave.fsdp.FSDPModule | torch.distributed.fsdp.FSDPModule)
+        name: engine_of(m) for name, m in model.named_modules() if engine_of(m) != "none"
     }
     return {"losses": losses, "norms": norms, "params": local_params(model), "states": fsdp_modules}
 
