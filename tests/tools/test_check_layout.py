@@ -138,3 +138,34 @@ def test_allowed_torch_imports_pass(tool: ModuleType, tmp_path: Path) -> None:
     )
     _write(_repo(tmp_path) / "packages" / "fsdp" / "src" / "shardweave" / "fsdp" / "_z.py", source)
     assert tool.check(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from tests.fsdp.world_2.test_a import helper\n",
+        "import tests.fsdp.world_2.test_a\n",
+        "from tests.fsdp.world_2 import test_a\n",
+        "from .test_a import helper\n",  # relative, from tests/fsdp/world_2/test_b.py
+        "def body() -> None:\n    from tests.fsdp.world_2.test_a import helper\n",
+        "import importlib\nimportlib.import_module('tests.fsdp.world_2.test_a')\n",
+    ],
+)
+def test_test_module_importing_a_test_module_fails(
+    tool: ModuleType, tmp_path: Path, source: str
+) -> None:
+    world_2 = _repo(tmp_path) / "tests" / "fsdp" / "world_2"
+    _write(world_2 / "test_a.py", "def helper() -> None: ...\n")
+    _write(world_2 / "test_b.py", source)
+    problems = tool.check(tmp_path)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("tests/fsdp/world_2/test_b.py:")
+    assert "imports the test module tests/fsdp/world_2/test_a.py" in problems[0]
+
+
+def test_helper_module_imports_pass(tool: ModuleType, tmp_path: Path) -> None:
+    fsdp = _repo(tmp_path) / "tests" / "fsdp"
+    _write(fsdp / "_helpers.py", "def test_like_name() -> None: ...\n")
+    _write(fsdp / "world_2" / "test_a.py", "from tests.fsdp._helpers import test_like_name\n")
+    _write(fsdp / "world_4" / "test_a.py", "from tests.fsdp import _helpers\nimport tests._dist\n")
+    assert tool.check(tmp_path) == []
