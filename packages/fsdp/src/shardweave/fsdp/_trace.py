@@ -64,6 +64,8 @@ from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardweave.fsdp._fsdp_common import COLLECTIVE_KINDS
+
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 
@@ -83,7 +85,6 @@ _R = TypeVar("_R")
 # The tracer the engine reports to; see Design note: tracing hooks.
 ACTIVE: FSDPTracer | None = None
 
-COLLECTIVE_KINDS: Final = ("all_gather", "reduce_scatter", "all_reduce")
 HOOK_NAMES: Final = ("pre_forward", "post_forward", "pre_backward", "post_backward")
 _PLOT_INSTALL: Final = "pip install 'shardweave-fsdp[plot]'"
 
@@ -772,9 +773,7 @@ class _Lanes:
         "wait",
         "unshard",
         "reshard",
-        "all_gather",
-        "reduce_scatter",
-        "all_reduce",
+        *COLLECTIVE_KINDS,
     )
 
     def __init__(self, events: list[dict[str, Any]], pid: int) -> None:
