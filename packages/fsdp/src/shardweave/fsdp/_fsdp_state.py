@@ -419,7 +419,6 @@ class FSDPState:
                 for state in ctx.all_states:
                     for group in state._fsdp_param_groups:
                         group.finalize_backward()
-            if ctx.is_last_backward:
                 self._comm_ctx.post_forward_order.clear()
         finally:
             ctx.post_backward_final_callback_queued = False
