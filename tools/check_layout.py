@@ -11,7 +11,8 @@ Fails (exit 1, one line per problem) on:
   * an import of ``shardweave.<x>`` in ``packages/<p>/src`` where ``x`` is neither ``p`` nor a
     declared dependency ``shardweave-<x>`` in ``packages/<p>/pyproject.toml``;
   * an import of torch's FSDP engine in package source: shardweave ships its own (only the
-    policy dataclasses of ``torch.distributed.fsdp`` may be imported, by name);
+    policy dataclasses and the ``FSDPModule`` marker class of ``torch.distributed.fsdp`` may be
+    imported, by name);
   * a module under ``tests/`` importing a test module (``tests/**/test_*.py``): what tests share
     lives in helper modules (``tests/<pkg>/_*.py``, ``tests/_dist``), so deleting or renaming a
     test never breaks another.
@@ -51,11 +52,12 @@ BANNED_TORCH_MODULES: Final[tuple[str, ...]] = (
     "torch.distributed.tensor.parallel.fsdp",
 )
 # The public names of torch.distributed.fsdp that package code may import: the policy
-# dataclasses, which fully_shard and replicate accept as well as their own (ARCHITECTURE.md,
+# dataclasses, which fully_shard and replicate accept as well as their own, and FSDPModule, a
+# marker base of the classes they create so torch's isinstance checks hold (ARCHITECTURE.md,
 # "Interop with torch's ecosystem"). Nothing else from that package, its engine least of all.
 ALLOWED_TORCH_NAMES: Final[frozenset[str]] = frozenset(
     f"torch.distributed.fsdp.{name}"
-    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")
+    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "FSDPModule")
 )
 _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 

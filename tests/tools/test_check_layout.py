@@ -121,6 +121,7 @@ def test_range_excluding_sibling_version_fails(tool: ModuleType, tmp_path: Path)
         "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n",
         "import torch.distributed.fsdp\n",
         "from torch.distributed.fsdp._fully_shard._fsdp_api import MixedPrecisionPolicy\n",
+        "from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule\n",
     ],
 )
 def test_torch_fsdp_engine_import_fails(tool: ModuleType, tmp_path: Path, source: str) -> None:
@@ -135,6 +136,8 @@ def test_allowed_torch_imports_pass(tool: ModuleType, tmp_path: Path) -> None:
         # torch's policy dataclasses, accepted by fully_shard and replicate
         "from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP\n"
         "from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy\n"
+        # torch's FSDPModule, the marker base of the classes fully_shard creates
+        "from torch.distributed.fsdp import FSDPModule as TorchFSDPModule\n"
     )
     _write(_repo(tmp_path) / "packages" / "fsdp" / "src" / "shardweave" / "fsdp" / "_z.py", source)
     assert tool.check(tmp_path) == []

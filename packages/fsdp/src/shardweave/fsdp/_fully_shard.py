@@ -37,6 +37,7 @@ from shardweave.fsdp._fsdp_init import (
 )
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
+from shardweave.fsdp._torch_interop import expose_state_to_torch, torch_marker_bases
 from shardweave.mesh import (
     DataParallelMeshDims,
     DataParallelMeshInfo,
@@ -292,6 +293,7 @@ def attach_engine(
             m._is_fsdp_managed_module = True  # type: ignore[assignment]
             m._fsdp_use_orig_params = True  # type: ignore[assignment]
     for root in roots:
+        expose_state_to_torch(root, state)
         swap_class(root, module_cls, prefix)
 
 
@@ -410,11 +412,14 @@ def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
 
 
 def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
+    """Make ``module`` an instance of ``FSDP<Its class>``: ``mixin`` first, so its methods win,
+    then torch's ``FSDPModule`` as a marker (see _torch_interop), then the module's own class."""
     cls = type(module)
     key = (cls, mixin)
     new_cls = _CLASS_CACHE.get(key)
     if new_cls is None:
-        new_cls = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__deepcopy__": _no_deepcopy})
+        bases = (mixin, *torch_marker_bases(), cls)
+        new_cls = type(f"{prefix}{cls.__name__}", bases, {"__deepcopy__": _no_deepcopy})
         _CLASS_CACHE[key] = new_cls
     module.__class__ = new_cls
 
@@ -447,7 +452,9 @@ class UnshardHandle:
 
 
 class FSDPModule:
-    """Mixed into every module ``fully_shard`` was applied to (placed first in its MRO).
+    """Mixed into every module ``fully_shard`` was applied to (placed first in its MRO; torch's
+    public ``FSDPModule`` follows as a marker, so torch's and frameworks' ``isinstance`` checks
+    hold and every method they reach is one of these).
 
     Its methods tune communication and memory per module, e.g. skipping gradient
     synchronization while accumulating saves a reduce-scatter per microbatch but keeps the
@@ -467,7 +474,10 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers rebuild themselves with type(self)(...) (e.g. nn.Sequential slicing); that
         # must produce a plain module, not one that looks sharded but has no state.
-        orig = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        # The first nn.Module class that is not ours: torch's marker base is not an nn.Module.
+        orig = next(
+            c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
+        )
         return orig(*args, **kwargs)
 
     def _get_fsdp_state(self) -> FSDPState:
