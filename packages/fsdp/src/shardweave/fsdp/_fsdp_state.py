@@ -59,6 +59,7 @@ class FSDPState:
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
+        *,
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         mesh_info: DataParallelMeshInfo,

@@ -102,5 +102,6 @@ _MISSING = object()
 def expose_state_to_torch(module: nn.Module, state: FSDPState) -> None:
     """Let torch's ``fully_shard.state(module)`` (and ``replicate.state``) find ``state``."""
     from torch.distributed._composable.contract import STATE_KEY as key
+
     existing = module.__dict__.get(key)
     module.__dict__[key] = TorchStateSlot(state, existing if isinstance(existing, dict) else {})
