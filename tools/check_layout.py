@@ -10,6 +10,9 @@ Fails (exit 1, one line per problem) on:
     mesh <- extensions), or one whose range excludes the sibling's current version;
   * an import of ``shardweave.<x>`` in ``packages/<p>/src`` where ``x`` is neither ``p`` nor a
     declared dependency ``shardweave-<x>`` in ``packages/<p>/pyproject.toml``;
+  * an import of a sibling's private module or name (``shardweave.<x>._y``, ``x`` not ``p``):
+    siblings are released separately, so they meet at public names only (for the engine,
+    ``shardweave.fsdp.engine``);
   * an import of torch's FSDP engine in package source: shardweave ships its own (only the
     policy dataclasses and the ``FSDPModule`` marker class of ``torch.distributed.fsdp`` may be
     imported, by name);
@@ -218,6 +221,18 @@ def _check_source(root: Path, pkg: str, path: Path, deps: dict[str, str]) -> lis
                         if pkg in ALLOWED_DEPS and sibling not in ALLOWED_DEPS[pkg]
                         else ""
                     )
+                )
+            private = next(
+                (i for i, p in enumerate(parts) if i > 1 and p[:1] == "_" and p[:2] != "__"), None
+            )
+            # one problem per private module, not per name imported from it
+            name = ".".join(parts[: private + 1]) if private is not None else ""
+            if sibling != pkg and private is not None and (line, name) not in seen:
+                seen.add((line, name))
+                problems.append(
+                    f"{rel}:{line}: imports {name}, private to shardweave-{sibling}; siblings are "
+                    "released separately, so use its public names (add one there, e.g. to "
+                    "shardweave.fsdp.engine, if it lacks what you need)"
                 )
         if _is_banned(module) and (line, module) not in seen:
             seen.add((line, module))
