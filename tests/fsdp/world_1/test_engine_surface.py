@@ -1,22 +1,23 @@
 """``shardweave.fsdp.engine``, the surface sibling packages build on: its published contract.
 
 Oracles: *closed form* (the signatures the docs promise: keyword-only past the first argument)
-and *reference* (a data-parallel API of our own, built from the engine as the module's example
-builds it, trains like the plain model at world size 1).
+and *reference* (the module's example, a data-parallel API of our own built from the engine, run as
+written: it trains like the plain model at world size 1).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import textwrap
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, engine
-from shardweave.mesh import ArgumentTypeError, DDPMeshInfo, default_mesh, mesh_device
+from shardweave.fsdp import FSDPModule, OffloadPolicy, engine
+from shardweave.mesh import ArgumentTypeError
 from tests._dist import WorkerPool
 
 FUNCTIONS = [
@@ -53,48 +54,17 @@ def test_validators_name_the_calling_api() -> None:
         )
 
 
-class MyState(engine.FSDPState):
-    api_name = "my_api"
-
-
-class MyModule(FSDPModule):
-    pass
-
-
-def my_api(module: nn.Module) -> nn.Module:
-    """A replicate-like API made only of the engine surface and public mesh names."""
-    modules = engine.module_arguments(module, api="my_api")
-    mp, offload = engine.resolve_policies(
-        mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), api="my_api"
-    )
-    mesh = default_mesh(mesh_dim_names=("replicate",))
-    info, device = DDPMeshInfo(mesh, replicate_mesh_dim=0), mesh_device(mesh)
-    engine.attach_engine(
-        modules,
-        ignored_params=None,
-        device=device,
-        make_state=lambda roots: MyState(
-            roots, device=device, mp_policy=mp, mesh_info=info, auto_reshard_after_forward=False
-        ),
-        make_groups=lambda params, roots: engine.build_groups(
-            params,
-            placements=[(None, info)] * len(params),
-            roots=roots,
-            mesh_info=info,
-            post_forward_mesh_info=None,
-            reshard_after_forward=None,
-            device=device,
-            mp_policy=mp,
-            offload_policy=offload,
-        ),
-        module_cls=MyModule,
-        class_prefix="My",
-        mark_managed=False,
-    )
-    return module
+def module_example() -> dict[str, Any]:
+    """The names ``shardweave.fsdp.engine``'s docstring example defines, run as written."""
+    doc = engine.__doc__ or ""
+    code = textwrap.dedent(doc.split("::\n", 1)[1])  # the one literal block: the example
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "shardweave.fsdp.engine example", "exec"), namespace)
+    return namespace
 
 
 def own_api_trains(rank: int, world: int) -> dict[str, Any]:
+    my_api = module_example()["my_api"]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     ref = copy.deepcopy(model)

@@ -63,7 +63,7 @@ class FSDPState:
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         mesh_info: DataParallelMeshInfo,
-        auto_reshard_after_forward: bool,
+        auto_reshard_after_forward: bool = False,
     ) -> None:
         self._modules = modules
         self._device = device

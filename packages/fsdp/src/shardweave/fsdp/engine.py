@@ -14,13 +14,19 @@ promise of the framework guide ("Versioning between the four packages"): a patch
 modules behind it are private and may change in any release; ``tools/check_layout.py`` keeps
 sibling packages from importing them.
 
-Example (the shape of ``replicate``; checks of its own arguments left out)::
+Example, a replicate-like API in full (``tests/fsdp/world_1/test_engine_surface.py`` runs it as
+written)::
 
-    from shardweave.fsdp import engine
+    from torch import nn
+
+    from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, engine
     from shardweave.mesh import DDPMeshInfo, default_mesh, mesh_device
 
     class MyState(engine.FSDPState):
         api_name = "my_api"
+
+    class MyModule(FSDPModule):  # mixed into every module my_api is applied to
+        pass
 
     def my_api(module, *, mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy()):
         modules = engine.module_arguments(module, api="my_api")
@@ -30,9 +36,8 @@ Example (the shape of ``replicate``; checks of its own arguments left out)::
         mesh = default_mesh(mesh_dim_names=("replicate",))
         info, device = DDPMeshInfo(mesh, replicate_mesh_dim=0), mesh_device(mesh)
         engine.attach_engine(
-            modules,
-            ignored_params=None,
-            device=device,
+            modules, ignored_params=None, device=device, module_cls=MyModule,
+            class_prefix="My", mark_managed=False,
             make_state=lambda roots: MyState(
                 roots, device=device, mp_policy=mp, mesh_info=info,
                 auto_reshard_after_forward=False,
@@ -42,31 +47,28 @@ Example (the shape of ``replicate``; checks of its own arguments left out)::
                 mesh_info=info, post_forward_mesh_info=None, reshard_after_forward=None,
                 device=device, mp_policy=mp, offload_policy=offload,
             ),
-            module_cls=MyModule,  # an FSDPModule subclass
-            class_prefix="My",
-            mark_managed=False,
         )
+        return module
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from shardweave.fsdp import _fsdp_init, _fully_shard
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
+from shardweave.fsdp._fully_shard import attach_engine, build_groups
 
 if TYPE_CHECKING:
     # Typing-only aliases (ours or torch's policy class), for signatures like fully_shard's:
     # import them under TYPE_CHECKING.
     from shardweave.fsdp._fsdp_api import AnyMixedPrecisionPolicy as AnyMixedPrecisionPolicy
     from shardweave.fsdp._fsdp_api import AnyOffloadPolicy as AnyOffloadPolicy
-    from shardweave.mesh import DataParallelMeshInfo, FSDPMeshInfo
 
 __all__ = [
     "FSDPParamGroup",
@@ -104,68 +106,6 @@ def resolve_policies(
     """Our policy objects for ``mp_policy`` and ``offload_policy`` (torch's are converted
     field by field); anything else raises ``TypeError`` naming ``api``."""
     return _fully_shard.resolve_policies(mp_policy, offload_policy, api)
-
-
-def build_groups(
-    params: list[nn.Parameter],
-    *,
-    placements: list[tuple[Any, DataParallelMeshInfo]],
-    roots: tuple[nn.Module, ...],
-    mesh_info: DataParallelMeshInfo,
-    post_forward_mesh_info: FSDPMeshInfo | None,
-    reshard_after_forward: bool | int | None,
-    device: torch.device,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-) -> list[FSDPParamGroup]:
-    """The parameter groups of one call: one per distinct mesh among ``placements`` (each
-    parameter's ``(Shard placement or None, mesh info)``, in ``params`` order).
-
-    ``post_forward_mesh_info`` is where ``mesh_info``'s parameters reshard to after forward
-    (None: fully); ``reshard_after_forward`` derives it for the other meshes.
-    """
-    return _fully_shard.build_groups(
-        params,
-        placements,
-        roots,
-        mesh_info,
-        post_forward_mesh_info,
-        reshard_after_forward,
-        device,
-        mp_policy,
-        offload_policy,
-    )
-
-
-def attach_engine(
-    modules: tuple[nn.Module, ...],
-    *,
-    ignored_params: set[nn.Parameter] | None,
-    device: torch.device,
-    make_state: Callable[[tuple[nn.Module, ...]], FSDPState],
-    make_groups: Callable[[list[nn.Parameter], tuple[nn.Module, ...]], list[FSDPParamGroup]],
-    module_cls: type,
-    class_prefix: str,
-    mark_managed: bool,
-) -> None:
-    """Put ``modules`` under the engine, once their API has checked its arguments.
-
-    Collects the parameters and buffers no inner call manages (less ``ignored_params``), moves
-    them to ``device``, attaches ``make_state(roots)`` with ``make_groups(params, roots)`` (a
-    failure leaves the modules as they were) and swaps each root's class to
-    ``<class_prefix><its class>`` deriving from ``module_cls`` too. ``mark_managed`` sets the
-    attributes torch's ``fully_shard`` puts on the modules it manages.
-    """
-    _fully_shard.attach_engine(
-        modules,
-        ignored_params,
-        device,
-        make_state,
-        make_groups,
-        module_cls,
-        class_prefix,
-        mark_managed=mark_managed,
-    )
 
 
 def with_state(fn: Callable[..., object], *, api: str) -> object:

@@ -180,12 +180,9 @@ def _replicate(
         modules,
         ignored_params=ignored_params,
         device=device,
+        # replicate never reshards after forward: nothing is sharded
         make_state=lambda roots: ReplicateState(
-            roots,
-            device=device,
-            mp_policy=mp_policy,
-            mesh_info=mesh_info,
-            auto_reshard_after_forward=False,
+            roots, device=device, mp_policy=mp_policy, mesh_info=mesh_info
         ),
         # One group: every parameter Replicate() on the mesh, and unsharded from forward to
         # backward (no post-forward mesh).
