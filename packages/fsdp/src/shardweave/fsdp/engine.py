@@ -60,7 +60,6 @@ from torch import nn
 
 from shardweave.fsdp import _fsdp_init, _fully_shard
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
-from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
 from shardweave.fsdp._fully_shard import attach_engine, build_groups
 
@@ -71,7 +70,6 @@ if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import AnyOffloadPolicy as AnyOffloadPolicy
 
 __all__ = [
-    "FSDPParamGroup",
     "FSDPState",
     "attach_engine",
     "build_groups",
