@@ -184,6 +184,9 @@ def _replicate(
         make_state=lambda roots: ReplicateState(
             roots, device=device, mp_policy=mp_policy, mesh_info=mesh_info
         ),
+        module_cls=ReplicateModule,
+        class_prefix="Replicate",
+        mark_managed=False,
         # One group: every parameter Replicate() on the mesh, and unsharded from forward to
         # backward (no post-forward mesh).
         make_groups=lambda params, roots: build_groups(
@@ -197,9 +200,6 @@ def _replicate(
             mp_policy=mp_policy,
             offload_policy=offload_policy,
         ),
-        module_cls=ReplicateModule,
-        class_prefix="Replicate",
-        mark_managed=False,
     )
     if isinstance(module, nn.Module):
         return cast(ReplicateModule, module)
