@@ -17,14 +17,9 @@ counts).
 from __future__ import annotations
 
 import copy
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import FSDPModule, fully_shard
 from tests._dist import WorkerPool, assert_close
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch
 
 N_MICRO = 2
@@ -47,30 +43,6 @@ SCHEDULES: dict[str, type[ScheduleGPipe] | type[Schedule1F1B]] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
 }
-
-
-@contextmanager
-def count_collectives() -> Iterator[Counter[str]]:
-    """Count FSDP's collectives by name. Unlike world_2's byte-counting helper, this one accepts
-    keyword arguments, which torch's FSDP passes to ``reduce_scatter_single``."""
-    counts: Counter[str] = Counter()
-    names = ("all_gather_single", "reduce_scatter_single", "all_reduce")
-    originals = {name: getattr(dist, name) for name in names}
-
-    def wrap(name: str, fn: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def make_stages(seed: int = 0) -> list[nn.Module]:

@@ -14,8 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shardweave.fsdp._fsdp_common import ShardPlacementResult
 from shardweave.fsdp._fsdp_state import get_fsdp_state
 from shardweave.fsdp._torch_interop import managed_by_torch
-from shardweave.mesh import FSDPMeshInfo, HSDPMeshInfo
-from shardweave.mesh._dims import ArgumentTypeError
+from shardweave.mesh import ArgumentTypeError, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = [
     "managed_modules",
