@@ -6,11 +6,20 @@ import types
 from typing import Any
 
 from shardweave.fsdp.plan._model import PlanError
-from shardweave.fsdp.plan._plan import GroupPlan, ParamPlan, Plan, plan
+from shardweave.fsdp.plan._plan import ActivationPlan, GroupPlan, ParamPlan, Plan, plan
 from shardweave.fsdp.plan._report import format_table
 from shardweave.fsdp.plan._schedule import TimelineRecord
 
-__all__ = ["GroupPlan", "ParamPlan", "Plan", "PlanError", "TimelineRecord", "format_table", "plan"]
+__all__ = [
+    "ActivationPlan",
+    "GroupPlan",
+    "ParamPlan",
+    "Plan",
+    "PlanError",
+    "TimelineRecord",
+    "format_table",
+    "plan",
+]
 
 
 class _CallablePlanModule(types.ModuleType):
