@@ -123,7 +123,7 @@ class _LiveBytes(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.op = str(func.overloadpacket.__name__)
+        self.op = f"op {func.overloadpacket.__name__}"
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
