@@ -34,7 +34,7 @@ MLP_INPUT = (256, 24)
 
 
 def gpt(checkpoint: bool = False) -> TinyGPT:
-    model = TinyGPT(vocab=67, dim=32, layers=6, seq=32)
+    model = TinyGPT(vocab=67, dim=32, layers=8, seq=32)
     model.checkpoint = checkpoint
     return model
 
