@@ -475,9 +475,7 @@ def train(args: argparse.Namespace) -> Report | None:
         n_head=args.n_head,
         n_embd=args.n_embd,
     )
-    predicted = (
-        print_plan(config, world, args) if args.impl == "shardweave" and rank == 0 else None
-    )
+    predicted = print_plan(config, world, args) if args.impl == "shardweave" and rank == 0 else None
     torch.manual_seed(args.seed)  # same seed on every rank: identical init before sharding
     model = GPT(config)
     num_params = model.num_params()

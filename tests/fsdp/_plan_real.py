@@ -101,9 +101,7 @@ class _GatheredSampler(TorchDispatchMode):
         ]
         self.peak = 0
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         live = 0
         for p in self.params:
             out = getattr(p, "all_gather_output", None)
@@ -133,9 +131,7 @@ def _peak_in_window(prof: Any) -> tuple[int, int]:
     before_events = [total for t, total, _ in allocs if t < window.start_time_ns]
     before = before_events[-1] - offset if before_events else 0
     inside = [
-        total - offset
-        for t, total, _ in allocs
-        if window.start_time_ns <= t <= window.end_time_ns
+        total - offset for t, total, _ in allocs if window.start_time_ns <= t <= window.end_time_ns
     ]
     return max([before, *inside]), before
 

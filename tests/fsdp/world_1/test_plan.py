@@ -438,3 +438,22 @@ def test_matches_engine_allocations(world2: WorkerPool, cfg: dict[str, Any]) -> 
         row = "rank0" if rank == 0 else "last_shard_rank"
         assert got["opt"] == p.ranks[row]["optimizer_state_bytes"]
         assert got["gathered"] == {g.key: g.gathered_bytes for g in p.groups}
+
+
+def test_readme_will_it_fit_example() -> None:
+    """The README's "Will it fit?" figures are this plan's (so the README stays true)."""
+    from demos.llama70b import llama_1b
+    from shardweave.fsdp.plan._report import format_bytes
+
+    p = plan(
+        llama_1b,
+        mesh=8,
+        wrap="TransformerBlock",
+        mp_policy="bf16",
+        sample_input=((4, 2048), torch.long),
+    )
+    assert p.activations is not None
+    readme = (REPO / "README.md").read_text()
+    for figure in (p.activations.peak_bytes, p.activations.peak_activation_bytes):
+        assert f"{format_bytes(figure)}" in readme, format_bytes(figure)
+    assert p.activations.peak_group == "<root>" and p.activations.peak_phase == "forward"

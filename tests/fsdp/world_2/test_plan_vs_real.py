@@ -33,7 +33,16 @@ def _id(case: dict[str, Any]) -> str:
 def test_plan_vs_real_world2(world2: WorkerPool, case: dict[str, Any]) -> None:
     for rank, r in enumerate(world2.run(measure, case)):
         m, p = r["measured"], r["predicted"]
-        print("CASE", case, rank, m["peak"], p["peak"], m["peak"] - p["peak"], m["before"], p["peak_at"])
+        print(
+            "CASE",
+            case,
+            rank,
+            m["peak"],
+            p["peak"],
+            m["peak"] - p["peak"],
+            m["before"],
+            p["peak_at"],
+        )
         for line in ("sharded_params", "sharded_grads", "optimizer_state", "peak_gathered_params"):
             assert m[line] == p[line], (case, rank, line, m[line], p[line])
         assert abs(m["peak"] - p["peak"]) <= 0.05 * m["peak"], (case, rank, m, p)

@@ -50,7 +50,9 @@ def _parse_sample(spec: str | None) -> tuple[tuple[int, ...], torch.dtype] | Non
     try:
         shape = tuple(int(d) for d in shape_text.lower().replace(",", "x").split("x"))
     except ValueError:
-        raise PlanError(f"--sample-input: {spec!r} is not SHAPE[:DTYPE], e.g. 8x1024:long") from None
+        raise PlanError(
+            f"--sample-input: {spec!r} is not SHAPE[:DTYPE], e.g. 8x1024:long"
+        ) from None
     name = (dtype_text or "fp32").lower()
     dtype = _INT_DTYPES.get(name) or DTYPE_NAMES.get(name)
     if dtype is None or any(d < 1 for d in shape):

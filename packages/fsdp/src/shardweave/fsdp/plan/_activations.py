@@ -31,6 +31,7 @@ Design note: the fake step
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -74,11 +75,11 @@ class FakeStepResult:
     seconds: float
 
 
-class _LiveBytes(TorchDispatchMode):
+class _LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Bytes of the storages operators create, by category, reported to the replay."""
 
     def __init__(self, replay: Replay) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.replay = replay
         self.category: dict[int, str] = {}
         self.nbytes: dict[int, int] = {}
@@ -98,10 +99,10 @@ class _LiveBytes(TorchDispatchMode):
         n = storage.nbytes()
         self.category[key] = category
         self.nbytes[key] = n
-        self.refs[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))
+        self.refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
         self.replay.add(category, n, "", self.op)
 
-    def _freed(self, key: int) -> None:
+    def _freed(self, key: int, _ref: object = None) -> None:
         category = self.category.pop(key, None)
         if category is None or self.closed:
             return
@@ -200,7 +201,9 @@ def _install_hooks(
                 if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled()
             ]
             if idx:
-                outs = _PostBackward.apply(lambda: post_backward(key), *(flat[i] for i in idx))
+                outs = _PostBackward.apply(  # type: ignore[no-untyped-call]
+                    lambda: post_backward(key), *(flat[i] for i in idx)
+                )
                 for i, o in zip(idx, outs, strict=True):
                     flat[i] = o
             # else: the engine registers nothing either; the final callback reduces the group
@@ -212,7 +215,9 @@ def _install_hooks(
             replay.post_forward(key)
             if forward:
                 for t in _grad_tensors(output):
-                    t.register_hook(lambda g, key=key: _pre_backward(replay, key, g))
+                    t.register_hook(  # type: ignore[no-untyped-call]
+                        lambda g, key=key: _pre_backward(replay, key, g)
+                    )
             return output
 
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
@@ -221,7 +226,7 @@ def _install_hooks(
         for p in params:
             if p.requires_grad:
                 handles.append(
-                    p.register_post_accumulate_grad_hook(
+                    p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         lambda p: (
                             tracker.reclassify(p.grad, "unsharded_grads")
                             if p.grad is not None
@@ -338,7 +343,7 @@ def run_fake_step(
             loss = loss_of(out, inp)
             del out
             replay.start_backward()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             del loss
             replay.final_callback()
     except PlanError:

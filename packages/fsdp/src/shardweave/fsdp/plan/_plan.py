@@ -14,6 +14,13 @@ import torch
 from torch import nn
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+from shardweave.fsdp.plan._activations import (
+    LossFn,
+    SampleInput,
+    describe_sample,
+    fake_mode,
+    run_fake_step,
+)
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
@@ -21,13 +28,6 @@ from shardweave.fsdp.plan._model import (
     WrapPredicate,
     discover_groups,
     module_wrap_predicate,
-)
-from shardweave.fsdp.plan._activations import (
-    LossFn,
-    SampleInput,
-    describe_sample,
-    fake_mode,
-    run_fake_step,
 )
 from shardweave.fsdp.plan._schedule import GroupTraffic, Replay, TimelineRecord, simulate_step
 from shardweave.fsdp.plan._sharding import layout, reduce_dtype, unsharded_dtype

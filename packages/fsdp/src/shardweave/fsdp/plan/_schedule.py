@@ -273,9 +273,14 @@ class Replay:
         for target in later[: self.forward_prefetch]:
             self.unshard(target)
 
+    def _leave(self, key: str) -> None:
+        # Operators after a group's forward (or backward) belong to its parent's module.
+        self.current = self.groups[key].parent or self.root
+
     def post_forward(self, key: str) -> None:
         if self.phase != "forward":
             return  # a checkpoint's recompute in backward: nothing resharded or reordered
+        self._leave(key)
         self.reshard(key, forward=True)
         self.indices[key].append(len(self.post_forward_order))
         self.post_forward_order.append(key)
@@ -311,7 +316,7 @@ class Replay:
         if key in self.post_backward_done:
             return
         self.post_backward_done.add(key)
-        self.current = key
+        self._leave(key)
         g = self.groups[key]
         self.reshard(key, forward=False)
         if not g.unsharded_grad_bytes:
