@@ -88,7 +88,9 @@ def plan_for(cfg: dict[str, Any], world: int) -> Plan:
 
 
 class _GatheredSampler(TorchDispatchMode):
-    """Peak bytes of unsharded parameters allocated (not aliasing shards), at every op."""
+    """Peak bytes of unsharded parameters allocated (not aliasing shards), and of unsharded
+    gradients (on the unsharded parameters, or the inputs of a reduction's copy into its
+    reduce-scatter input), at every op."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -100,14 +102,24 @@ class _GatheredSampler(TorchDispatchMode):
             for p in g.fsdp_params
         ]
         self.peak = 0
+        self.grad_peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         live = 0
+        grads: dict[int, int] = {}
         for p in self.params:
             out = getattr(p, "all_gather_output", None)
             if out is not None and not p._aliases_shard:
                 live += out.untyped_storage().nbytes()
+            unsharded = p._unsharded_param
+            if unsharded is not None and unsharded.grad is not None:
+                storage = unsharded.grad.untyped_storage()
+                grads[storage.data_ptr()] = storage.nbytes()
+        if func.overloadpacket is torch.ops.aten._chunk_cat:  # a reduction copying grads in
+            for g in args[0]:
+                grads[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
         self.peak = max(self.peak, live)
+        self.grad_peak = max(self.grad_peak, sum(grads.values()))
         return func(*args, **(kwargs or {}))
 
 
@@ -212,6 +224,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "sharded_grads": grads,
             "optimizer_state": opt_bytes,
             "peak_gathered_params": sampler.peak,
+            "peak_unsharded_grads": sampler.grad_peak,
             "peak": peak,
             "before": before,
         },
@@ -220,6 +233,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "sharded_grads": predicted.grad_bytes,
             "optimizer_state": predicted.ranks[who]["optimizer_state_bytes"],
             "peak_gathered_params": predicted.peak_gathered_param_bytes,
+            "peak_unsharded_grads": act.peaks["unsharded_grads"],
             "peak": act.last_shard_rank_peak_bytes if last else act.peak_bytes,
             "peak_at": f"{act.peak_phase} {act.peak_group} {act.peak_event}",
         },

@@ -141,7 +141,8 @@ class ActivationPlan:
     ``peak_bytes`` is the most live tensor bytes on shard rank 0 during forward and backward
     (every line of the plan plus activations); ``peak_phase`` / ``peak_group`` say when
     (``"backward"``, ``"layers.3"``); ``lines_at_peak`` splits ``peak_bytes`` into the plan's
-    lines at that moment.
+    lines at that moment; ``peaks`` gives each line's own peak over this step (unsharded
+    gradients appear as autograd makes them here, not a group at a time).
 
     Example::
 
@@ -158,6 +159,7 @@ class ActivationPlan:
     peak_event: str
     peak_activation_bytes: int
     lines_at_peak: dict[str, int]
+    peaks: dict[str, int]  # each line's own peak over the fake step (as ``CATEGORIES``)
     seconds: float
 
 
@@ -520,6 +522,7 @@ def plan(
                 "optimizer_state": opt0,
                 **fs.at_peak,
             },
+            peaks=dict(fs.peaks),
             seconds=round(fake.seconds, 4),
         )
     ranks = _rank_rows(final, peak - opt0)
