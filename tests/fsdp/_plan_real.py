@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,6 +54,11 @@ def mlp_stack() -> nn.Sequential:
 FACTORIES = {"gpt": gpt, "gpt_ac": gpt_ac, "mlp": mlp_stack}
 
 
+def dim1_where_even(param: nn.Parameter) -> Shard | None:
+    """``shard_placement_fn``: matrices whose dim 1 is a multiple of 4 shard on dim 1."""
+    return Shard(1) if param.ndim == 2 and param.shape[1] % 4 == 0 else None
+
+
 def make_input(kind: str, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if kind == "mlp":
@@ -84,6 +90,7 @@ def plan_for(cfg: dict[str, Any], world: int) -> Plan:
         sample_input=(MLP_INPUT, torch.float32) if kind == "mlp" else (GPT_INPUT, torch.long),
         loss_fn=loss_of(kind),
         backend="gloo",
+        shard_placement_fn=dim1_where_even if cfg.get("placement") else None,
     )
 
 
@@ -174,6 +181,8 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"mesh": mesh}
     if cfg.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    if cfg.get("placement"):
+        kwargs["shard_placement_fn"] = dim1_where_even
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with prof:
         torch.manual_seed(0)

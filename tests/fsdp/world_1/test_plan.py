@@ -457,3 +457,17 @@ def test_readme_will_it_fit_example() -> None:
     for figure in (p.activations.peak_bytes, p.activations.peak_activation_bytes):
         assert f"{format_bytes(figure)}" in readme, format_bytes(figure)
     assert p.activations.peak_group == "<root>" and p.activations.peak_phase == "forward"
+
+
+def test_shard_placement_fn() -> None:
+    from torch.distributed.tensor import Shard
+
+    # Linear(8, 6).weight is (6, 8): Shard(1) on 4 ranks holds 2 of its 8 columns, no padding
+    p = plan(lambda: nn.Linear(8, 6), mesh=4, shard_placement_fn=lambda q: Shard(q.ndim - 1))
+    assert p.groups[0].padded_shard_numel == 6 * 2 + 2  # the bias (6,) on dim 0: 2 per rank
+    assert p.sharded_param_bytes == 14 * F32
+    # a dim the shard size does not divide is refused, as fully_shard refuses it
+    with pytest.raises(PlanError, match="size 6 on dim 1"):
+        plan(lambda: nn.Linear(6, 8), mesh=4, shard_placement_fn=lambda q: Shard(1))
+    with pytest.raises(PlanError, match="Shard"):
+        plan(lambda: nn.Linear(6, 8), mesh=4, shard_placement_fn=lambda q: "rows")

@@ -351,6 +351,7 @@ def plan(
     sample_input: SampleInput | None = None,
     loss_fn: LossFn | None = None,
     backend: str = "nccl",
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
 ) -> Plan:
     """Predict per-rank memory and per-step communication of ``fully_shard`` on ``mesh``.
 
@@ -394,6 +395,9 @@ def plan(
         loss_fn: ``loss_fn(output, input)`` for that step; the default sums the output.
         backend: ``"nccl"`` or ``"gloo"`` (which stages collectives in copies of its own,
             counted as communication buffers while the collective is in flight).
+        shard_placement_fn: as ``fully_shard``'s: ``Shard(dim)`` or ``None`` (dim 0) per
+            parameter; a dim other than 0 must be divisible by the shard size, and costs a
+            scratch copy at each copy-out and a re-laid-out gradient at each reduce-scatter.
 
     Returns:
         A ``Plan``: totals (``sharded_param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``,
@@ -445,6 +449,8 @@ def plan(
         ignored_params=ignored_params,
         tp=tp,
         tp_shard_dim=(tp_shard_dim or default_tp_shard_dim) if tp > 1 else None,
+        shard_placement_fn=shard_placement_fn,
+        shard_size=shard_size,
     )
     groups: list[GroupPlan] = []
     traffic: list[GroupTraffic] = []
@@ -606,11 +612,11 @@ def _group_plan(
     params: list[ParamPlan] = []
     numel = trainable = padded = 0
     sharded = grad = opt = opt_last = gathered = ugrad = post = rs = ar = 0
-    rank0 = last = cast_input = ar_staging = 0
+    rank0 = last = cast_input = ar_staging = scratch = relayout = 0
     orig_dtypes = {p.dtype for p in spec.params}
     casts = False
     for p in spec.params:
-        lay = layout(p.shape, world)
+        lay = layout(p.shape, world, p.shard_dim)
         ud = unsharded_dtype(p.dtype, mp.param_dtype)
         rd = reduce_dtype(p.dtype, mp.param_dtype, mp.reduce_dtype)
         casts |= ud != p.dtype
@@ -622,6 +628,11 @@ def _group_plan(
         sharded += lay.padded_shard_numel * orig
         gathered += world * lay.padded_shard_numel * ud.itemsize
         cast_input += lay.padded_shard_numel * ud.itemsize
+        if p.shard_dim and world > 1:
+            # Gathered rows are chunks along the dim: copied out into scratch, then concatenated
+            # into place; gradients are re-laid out as dim-0 chunks before the reduce-scatter.
+            scratch += lay.numel * ud.itemsize
+            relayout += lay.numel * ud.itemsize if p.requires_grad else 0
         if not isinstance(mode, bool):
             post += world * lay.padded_shard_numel // mode * ud.itemsize
         if p.requires_grad:
@@ -701,6 +712,8 @@ def _group_plan(
         all_reduce=all_reduce and trainable > 0,
         reshard_after_forward=mode,
         deferred_post_backward=spec.key == ROOT_KEY or spec.input_is_integer,
+        copy_out_scratch_bytes=0 if aliases else scratch,
+        reduce_scatter_layout_bytes=relayout,
         backend_all_gather_bytes=gathered if gloo and world > 1 else 0,
         backend_reduce_scatter_bytes=rs if gloo and world > 1 else 0,
         backend_all_reduce_bytes=ar_staging if gloo and all_reduce else 0,

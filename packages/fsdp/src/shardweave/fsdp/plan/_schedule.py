@@ -88,6 +88,10 @@ class GroupTraffic:
     all_reduce: bool  # HSDP: the reduce-scatter output is all-reduced over replicas
     reshard_after_forward: bool | int  # resolved: False / True / int N (2 <= N < shard size)
     deferred_post_backward: bool  # root, or a module whose inputs need no gradient
+    # A dim other than 0 (shard_placement_fn): scratch for the copy-out, and the gradients
+    # re-laid out as dim-0 chunks for the reduce-scatter input.
+    copy_out_scratch_bytes: int = 0
+    reduce_scatter_layout_bytes: int = 0
     # Staging copies the backend makes while a collective runs (gloo: see _plan's BACKENDS).
     backend_all_gather_bytes: int = 0
     backend_reduce_scatter_bytes: int = 0
@@ -238,6 +242,9 @@ class Replay:
             return
         self.add("comm_buffers", -g.backend_all_gather_bytes, key, "all-gather done")
         self.add("gathered_params", g.gathered_bytes, key, "copy-out")
+        if g.copy_out_scratch_bytes:
+            self.add("comm_buffers", g.copy_out_scratch_bytes, key, "copy-out scratch")
+            self.add("comm_buffers", -g.copy_out_scratch_bytes, key, "scratch freed")
         self.add("comm_buffers", -g.all_gather_output_bytes, key, "all-gather output freed")
         if from_post_forward:
             self.add("post_forward_shards", -g.post_forward_bytes, key, "post-forward freed")
@@ -326,7 +333,9 @@ class Replay:
         self.all_reduces.clear()
         while self.reduce_scatters:
             self._retire(self.reduce_scatters.pop(0))
+        self.add("comm_buffers", g.reduce_scatter_layout_bytes, key, "gradient re-layout")
         self.add("comm_buffers", g.reduce_scatter_input_bytes, key, "reduce-scatter input")
+        self.add("comm_buffers", -g.reduce_scatter_layout_bytes, key, "re-layout freed")
         if free_grads is not None:
             free_grads()
         else:
