@@ -471,3 +471,18 @@ def test_shard_placement_fn() -> None:
         plan(lambda: nn.Linear(6, 8), mesh=4, shard_placement_fn=lambda q: Shard(1))
     with pytest.raises(PlanError, match="Shard"):
         plan(lambda: nn.Linear(6, 8), mesh=4, shard_placement_fn=lambda q: "rows")
+
+
+def test_cpu_offload() -> None:
+    """CPUOffloadPolicy: shards, sharded grads and optimizer state are host memory; each
+    all-gather copies the shards to the device first."""
+    p = plan(lambda: nn.Linear(10, 7), mesh=4, optimizer="adamw", offload=True)
+    assert p.host_bytes == 22 * F32 + 22 * F32 + (2 * 22 * F32 + 8)
+    assert not p.groups[0].aliases_shards
+    # the copy-out: the device copy of the shard (kept as the all-gather input through
+    # forward), the all-gather output and the gathered parameters, at once
+    assert p.peak_tensor_bytes == 22 * F32 + 2 * 4 * 22 * F32
+    assert p.lines_at_peak["sharded_params"] == p.lines_at_peak["sharded_grads"] == 0
+    # shard size 1: offloaded shards are not aliased, they are copied to the device
+    one = plan(lambda: nn.Linear(10, 7), mesh="2x1", offload=True)
+    assert one.peak_gathered_param_bytes == 77 * F32 and one.collectives["all_gather"] == 0

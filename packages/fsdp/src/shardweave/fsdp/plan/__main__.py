@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", default="nccl", choices=BACKENDS)
     p.add_argument(
+        "--offload",
+        action="store_true",
+        help="CPUOffloadPolicy: sharded params, grads and optimizer state in host memory",
+    )
+    p.add_argument(
         "--keep-grads",
         action="store_true",
         help="sharded gradients stay between steps (zero_grad(set_to_none=False))",
@@ -118,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             set_to_none=not args.keep_grads,
             sample_input=_parse_sample(args.sample_input),
             backend=args.backend,
+            offload=args.offload,
         )
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)

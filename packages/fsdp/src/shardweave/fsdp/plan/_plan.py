@@ -211,6 +211,7 @@ class Plan:
     schedule: dict[str, object]
     timeline: tuple[TimelineRecord, ...] = field(repr=False)
     activations: ActivationPlan | None = None
+    host_bytes: int = 0  # with offload: sharded params, sharded grads, optimizer state
     planner_seconds: float = 0.0
 
     def group(self, key: str) -> GroupPlan:
@@ -352,6 +353,7 @@ def plan(
     loss_fn: LossFn | None = None,
     backend: str = "nccl",
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    offload: bool = False,
 ) -> Plan:
     """Predict per-rank memory and per-step communication of ``fully_shard`` on ``mesh``.
 
@@ -398,6 +400,9 @@ def plan(
         shard_placement_fn: as ``fully_shard``'s: ``Shard(dim)`` or ``None`` (dim 0) per
             parameter; a dim other than 0 must be divisible by the shard size, and costs a
             scratch copy at each copy-out and a re-laid-out gradient at each reduce-scatter.
+        offload: ``CPUOffloadPolicy``: sharded parameters, sharded gradients and optimizer
+            state live in host memory (``Plan.host_bytes``) and leave the device peaks; each
+            all-gather first copies the shards to the device (a communication buffer).
 
     Returns:
         A ``Plan``: totals (``sharded_param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``,
@@ -458,7 +463,7 @@ def plan(
         is_root = spec.key == ROOT_KEY
         mode = _resolve_reshard(root_reshard if is_root else block_reshard, shard_size, is_root)
         gp, tr = _group_plan(
-            spec, mode, shard_size, mp, states, replicate_size > 1, backend == "gloo"
+            spec, mode, shard_size, mp, states, replicate_size > 1, backend == "gloo", offload
         )
         groups.append(gp)
         traffic.append(tr)
@@ -500,7 +505,10 @@ def plan(
         "all_reduce": sum(g.all_reduces_per_step for g in final),
     }
     opt_last = sum(g.last_rank_optimizer_state_bytes for g in final)
-    peak = sharded + opt0 + sched.peak_dynamic_bytes
+    host = sharded + grads + opt0 if offload else 0
+    # Device bytes held all step: the shards and optimizer state, unless offloaded.
+    held0, held_last = (0, 0) if offload else (sharded + opt0, sharded + opt_last)
+    peak = held0 + sched.peak_dynamic_bytes
     activations = None
     if fake_tensors is not None and sample_input is not None:
         replay = Replay(
@@ -517,21 +525,21 @@ def plan(
         phase, group, event = fs.peak_moment
         activations = ActivationPlan(
             sample_input=describe_sample(sample_input),
-            peak_bytes=sharded + opt0 + fs.peak_dynamic_bytes,
-            last_shard_rank_peak_bytes=sharded + opt_last + fs.peak_dynamic_bytes,
+            peak_bytes=held0 + fs.peak_dynamic_bytes,
+            last_shard_rank_peak_bytes=held_last + fs.peak_dynamic_bytes,
             peak_phase=phase,
             peak_group=group,
             peak_event=event,
             peak_activation_bytes=fake.peak_activation_bytes,
             lines_at_peak={
-                "sharded_params": sharded,
-                "optimizer_state": opt0,
+                "sharded_params": 0 if offload else sharded,
+                "optimizer_state": 0 if offload else opt0,
                 **fs.at_peak,
             },
             peaks=dict(fs.peaks),
             seconds=round(fake.seconds, 4),
         )
-    ranks = _rank_rows(final, peak - opt0)
+    ranks = _rank_rows(final, peak - opt0, offload)
     largest = max(final, key=lambda g: g.gathered_bytes).key if final else ""
     from shardweave.fsdp.plan._report import suggestions as make_suggestions
 
@@ -552,6 +560,7 @@ def plan(
         "backward_prefetch": backward_prefetch,
         "set_to_none": set_to_none,
         "backend": backend,
+        "offload": offload,
         "sample_input": None if sample_input is None else describe_sample(sample_input),
     }
     result = Plan(
@@ -569,7 +578,12 @@ def plan(
         peak_post_forward_shard_bytes=sched.peaks["post_forward_shards"],
         peak_tensor_bytes=peak,
         peak_at=sched.peak_dynamic_at,
-        lines_at_peak={"sharded_params": sharded, "optimizer_state": opt0, **sched.at_peak},
+        lines_at_peak={
+            "sharded_params": 0 if offload else sharded,
+            "optimizer_state": 0 if offload else opt0,
+            **sched.at_peak,
+        },
+        host_bytes=host,
         comm_bytes=comm,
         collectives=collectives,
         ranks=ranks,
@@ -608,6 +622,7 @@ def _group_plan(
     states: int,
     all_reduce: bool,
     gloo: bool,
+    offload: bool,
 ) -> tuple[GroupPlan, GroupTraffic]:
     params: list[ParamPlan] = []
     numel = trainable = padded = 0
@@ -660,10 +675,13 @@ def _group_plan(
     # The engine's rules (FSDPParamGroup.unshard): one flat shard buffer per group when the
     # dtypes agree; with one rank per shard group and no cast the parameters view it.
     uniform = len(orig_dtypes) <= 1
-    aliases = world == 1 and uniform and not casts and isinstance(mode, bool)
+    aliases = world == 1 and uniform and not casts and isinstance(mode, bool) and not offload
     if aliases:
         gathered = 0
     ag_input = cast_input if (casts or not uniform) else 0
+    ag_transient = 0
+    if offload:  # the shards are copied to the device first (then cast, if they are)
+        ag_input, ag_transient = (cast_input, sharded) if casts else (sharded, 0)
     gp = GroupPlan(
         key=spec.key,
         module_type=spec.module_type,
@@ -702,13 +720,14 @@ def _group_plan(
         gathered_bytes=gathered,
         all_gather_output_bytes=gathered if world > 1 else 0,
         all_gather_input_bytes=0 if aliases else ag_input,
+        all_gather_input_transient_bytes=ag_transient,
         post_forward_bytes=post,
         post_forward_input_bytes=post if len(spec.params) > 1 else 0,
         unsharded_grad_bytes=ugrad,
         reduce_scatter_input_bytes=rs,
         reduce_scatter_output_bytes=ar if world > 1 else 0,
-        sharded_grad_bytes=grad,
-        reduce_output_cast=out_dtype_differs,
+        sharded_grad_bytes=0 if offload else grad,  # offloaded: copied to the host
+        reduce_output_cast=out_dtype_differs or offload,
         all_reduce=all_reduce and trainable > 0,
         reshard_after_forward=mode,
         deferred_post_backward=spec.key == ROOT_KEY or spec.input_is_integer,
@@ -721,10 +740,27 @@ def _group_plan(
     return gp, tr
 
 
-def _rank_rows(groups: Sequence[GroupPlan], peak_less_opt: int) -> dict[str, dict[str, int]]:
-    """Shard rank 0 and the last shard rank: they differ only in optimizer state."""
+def _rank_rows(
+    groups: Sequence[GroupPlan], peak_less_opt: int, offload: bool
+) -> dict[str, dict[str, int]]:
+    """Shard rank 0 and the last shard rank: they differ only in optimizer state (which is
+    host memory, out of the device peak, when offloaded)."""
     opt0 = sum(g.optimizer_state_bytes for g in groups)
     opt_last = sum(g.last_rank_optimizer_state_bytes for g in groups)
+    if offload:
+        peak_less_opt += opt0  # the device peak holds no optimizer state
+        return {
+            "rank0": {
+                "real_shard_numel": sum(g.rank0_numel for g in groups),
+                "optimizer_state_bytes": opt0,
+                "peak_tensor_bytes": peak_less_opt,
+            },
+            "last_shard_rank": {
+                "real_shard_numel": sum(g.last_rank_numel for g in groups),
+                "optimizer_state_bytes": opt_last,
+                "peak_tensor_bytes": peak_less_opt,
+            },
+        }
     return {
         "rank0": {
             "real_shard_numel": sum(g.rank0_numel for g in groups),

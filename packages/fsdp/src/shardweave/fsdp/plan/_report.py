@@ -158,6 +158,11 @@ def format_table(plan: Plan) -> str:
         f"{peaks_at.get('comm_buffers') or '-'})",
         f"  unsharded grads, peak   {format_bytes(plan.unsharded_grad_bytes):>12}",
     ]
+    if plan.host_bytes:
+        lines.append(
+            f"  offloaded to host       {format_bytes(plan.host_bytes):>12}  (sharded params, grads "
+            "and optimizer state: not in the device peaks below)"
+        )
     if plan.peak_post_forward_shard_bytes:
         lines.append(
             f"  post-forward shards     {format_bytes(plan.peak_post_forward_shard_bytes):>12}"

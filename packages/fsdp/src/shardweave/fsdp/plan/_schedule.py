@@ -77,7 +77,7 @@ class GroupTraffic:
     parent: str | None
     gathered_bytes: int  # unsharded parameters (0 when they alias the shards)
     all_gather_output_bytes: int  # the all-gather's output buffer (0: no collective)
-    all_gather_input_bytes: int  # a cast copy of the shards as the all-gather input (0: none)
+    all_gather_input_bytes: int  # a copy of the shards as the all-gather input (0: none)
     post_forward_bytes: int  # the post-forward shards of an int reshard_after_forward
     post_forward_input_bytes: int  # their concatenation when gathered again (0: one param)
     unsharded_grad_bytes: int
@@ -91,6 +91,8 @@ class GroupTraffic:
     # A dim other than 0 (shard_placement_fn): scratch for the copy-out, and the gradients
     # re-laid out as dim-0 chunks for the reduce-scatter input.
     copy_out_scratch_bytes: int = 0
+    # Offload: the shards' device copy while it is cast (gone once the cast copy exists).
+    all_gather_input_transient_bytes: int = 0
     reduce_scatter_layout_bytes: int = 0
     # Staging copies the backend makes while a collective runs (gloo: see _plan's BACKENDS).
     backend_all_gather_bytes: int = 0
@@ -222,12 +224,16 @@ class Replay:
         if self.kept_input:
             kept, self.kept_input = self.kept_input, 0
             self.add("comm_buffers", -kept, key, "previous all-gather input freed")
+        transient = 0
         if self.state[key] == _State.POST_FORWARD:
             self.pending_from_post_forward.add(key)
             extra = g.post_forward_input_bytes
         else:
-            extra = g.all_gather_input_bytes
-        self.add("comm_buffers", extra + g.all_gather_output_bytes, key, "all-gather issued")
+            extra, transient = g.all_gather_input_bytes, g.all_gather_input_transient_bytes
+        self.add("comm_buffers", transient, key, "copy to device")
+        self.add("comm_buffers", extra, key, "all-gather input")
+        self.add("comm_buffers", -transient, key, "device copy freed")
+        self.add("comm_buffers", g.all_gather_output_bytes, key, "all-gather issued")
         self.add("comm_buffers", g.backend_all_gather_bytes, key, "backend staging")
 
     def wait(self, key: str) -> None:
