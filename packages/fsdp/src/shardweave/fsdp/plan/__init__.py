@@ -1,5 +1,6 @@
 """Pre-flight planner: per-rank memory and per-step communication of a ``fully_shard`` setup,
-predicted from a meta-device model with no process group (``python -m shardweave.fsdp.plan``)."""
+predicted from a meta-device model with no process group, and with a sample input the step's
+peak with activations from one fake-tensor step (``python -m shardweave.fsdp.plan``)."""
 
 import sys
 import types
