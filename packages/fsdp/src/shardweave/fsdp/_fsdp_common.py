@@ -44,7 +44,6 @@ __all__ = [
     "cast_floating",
     "chunk_with_empty",
     "collect_grad_tensors",
-    "dim_chunked_size",
     "in_backward",
     "replace_grad_tensors",
     "run_eagerly",
@@ -119,13 +118,6 @@ def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[to
     while len(chunks) < num_chunks:
         chunks.append(chunks[0].new_empty(0))
     return chunks
-
-
-def dim_chunked_size(chunk: torch.Tensor, full_size: torch.Size, dim: int) -> torch.Size:
-    """The chunk's size, keeping the other dims when the chunk is empty (DTensor needs them)."""
-    if chunk.numel() > 0:
-        return chunk.size()
-    return torch.Size([*full_size[:dim], 0, *full_size[dim + 1 :]])
 
 
 def cast_floating(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
