@@ -247,3 +247,26 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "peak_at": f"{act.peak_phase} {act.peak_group} {act.peak_event}",
         },
     }
+
+
+# The lines a plan must predict exactly (the engine is deterministic there).
+EXACT_LINES = (
+    "sharded_params",
+    "sharded_grads",
+    "optimizer_state",
+    "peak_gathered_params",
+    "peak_unsharded_grads",
+)
+
+
+def case_id(case: dict[str, Any]) -> str:
+    return "-".join(f"{k}={v}" for k, v in case.items())
+
+
+def assert_plan_matches(results: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    """Every rank: the exact lines equal, the peak with activations within 5% of the measured."""
+    for rank, r in enumerate(results):
+        m, p = r["measured"], r["predicted"]
+        for line in EXACT_LINES:
+            assert m[line] == p[line], (case, rank, line, m[line], p[line])
+        assert abs(m["peak"] - p["peak"]) <= 0.05 * m["peak"], (case, rank, m, p)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests._dist import WorkerPool
-from tests.fsdp._plan_real import measure
+from tests.fsdp._plan_real import assert_plan_matches, case_id, measure
 
 CASES: list[dict[str, Any]] = [
     {"kind": "gpt"},
@@ -26,23 +26,6 @@ CASES: list[dict[str, Any]] = [
 ]
 
 
-LINES = (
-    "sharded_params",
-    "sharded_grads",
-    "optimizer_state",
-    "peak_gathered_params",
-    "peak_unsharded_grads",
-)
-
-
-def _id(case: dict[str, Any]) -> str:
-    return "-".join(f"{k}={v}" for k, v in case.items())
-
-
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_plan_vs_real_world2(world2: WorkerPool, case: dict[str, Any]) -> None:
-    for rank, r in enumerate(world2.run(measure, case)):
-        m, p = r["measured"], r["predicted"]
-        for line in LINES:
-            assert m[line] == p[line], (case, rank, line, m[line], p[line])
-        assert abs(m["peak"] - p["peak"]) <= 0.05 * m["peak"], (case, rank, m, p)
+    assert_plan_matches(world2.run(measure, case), case)
