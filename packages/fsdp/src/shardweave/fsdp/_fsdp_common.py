@@ -40,11 +40,14 @@ __all__ = [
     "ShardPlacementResult",
     "ShardedState",
     "TrainingState",
+    "alloc_storage",
     "apply_to_tensors",
     "cast_floating",
     "chunk_with_empty",
     "collect_grad_tensors",
+    "contiguous_strides",
     "dim_chunked_size",
+    "free_storage",
     "in_backward",
     "replace_grad_tensors",
     "run_eagerly",
@@ -126,6 +129,34 @@ def dim_chunked_size(chunk: torch.Tensor, full_size: torch.Size, dim: int) -> to
     if chunk.numel() > 0:
         return chunk.size()
     return torch.Size([*full_size[:dim], 0, *full_size[dim + 1 :]])
+
+
+def contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size`` (a zero-size dim counts as 1)."""
+    strides = [1] * len(size)
+    for i in range(len(size) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(size[i + 1], 1)
+    return tuple(strides)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s storage but keep the tensor (see Design note: storage resize in
+    ``_fsdp_param``)."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """Give a freed ``tensor`` its bytes back, in the same storage object.
+
+    See Design note: storage resize (``_fsdp_param``): autograd saved views of this storage in
+    the forward; refilling the same storage keeps those references valid.
+    """
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
 
 
 def cast_floating(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
