@@ -1,4 +1,5 @@
-"""Small shared pieces of the engine: lifecycle enums, tensor-tree walking, chunking helpers.
+"""Small shared pieces of the engine: lifecycle enums, tensor-tree walking, chunking and storage
+helpers.
 
 Design note: tensor vocabulary
     *sharded*: this rank's piece of a parameter, registered on the module as a DTensor between

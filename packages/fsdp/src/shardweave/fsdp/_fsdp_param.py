@@ -106,6 +106,11 @@ _FLAT_ALL_GATHER: _AllGatherStrategy = _FlatAllGather()
 class FSDPParam:
     """One parameter managed by a group.
 
+    It owns the lifecycle; what differs between parameter kinds it asks of two objects, with
+    no branch per kind here: its ``ParamHandler`` (see ``_param_handler``: plain tensors, a
+    plugin's DTensor, a user's kind) and its all-gather strategy (flat, or a tensor
+    subclass's own: see ``_fsdp_subclass_gather``).
+
     Design note: storage resize
         The unsharded parameter is created once, as a view of its all-gather output buffer.
         Resharding frees that buffer's storage (resize to 0 bytes) and the next unshard

@@ -32,8 +32,12 @@ Design note: handler resolution
     registration is also process state that tests snapshot and restore and users may
     ``unregister``; every model has plain parameters, and their handling must not depend on
     it. An entry point in ``shardweave-fsdp``'s ``pyproject.toml`` would have the first
-    problem too. So the point holds the plugins and the engine holds the default, as it does
-    for ``COLLECTIVES``' c10d fallback: one rule, in this one function.
+    problem too (and is only seen once the package is reinstalled). So the point holds the
+    plugins and the engine holds the default, as the collective seam keeps its own c10d
+    object for when no ``COLLECTIVES`` plugin is found: one rule, in this one function. A
+    registry feature (exact-type registration) was the other way out; it would not cover
+    ``nn.Parameter`` and the tensor subclasses the plain handler also serves without the
+    same fallback, so it would add a feature to ``shardweave-mesh`` and keep the rule anyway.
 """
 
 from __future__ import annotations
