@@ -47,7 +47,6 @@ __all__ = [
     "chunk_with_empty",
     "collect_grad_tensors",
     "contiguous_strides",
-    "dim_chunked_size",
     "free_storage",
     "in_backward",
     "replace_grad_tensors",
@@ -123,13 +122,6 @@ def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[to
     while len(chunks) < num_chunks:
         chunks.append(chunks[0].new_empty(0))
     return chunks
-
-
-def dim_chunked_size(chunk: torch.Tensor, full_size: torch.Size, dim: int) -> torch.Size:
-    """The chunk's size, keeping the other dims when the chunk is empty (DTensor needs them)."""
-    if chunk.numel() > 0:
-        return chunk.size()
-    return torch.Size([*full_size[:dim], 0, *full_size[dim + 1 :]])
 
 
 def contiguous_strides(size: torch.Size) -> tuple[int, ...]:
