@@ -69,6 +69,9 @@ class PlainTensorHandler:
     def local_tensor(self, param: torch.Tensor) -> torch.Tensor:
         return param
 
+    def template(self, param: torch.Tensor, mesh_info: DataParallelMeshInfo) -> object:
+        return None
+
     def sharded_spec(
         self, param: torch.Tensor, mesh_info: DataParallelMeshInfo, shard_dim: int
     ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
@@ -80,9 +83,6 @@ class PlainTensorHandler:
         else:  # replicate-only data parallelism: every rank holds the whole tensor
             placements = (Replicate(),)
         return mesh_info.mesh, placements
-
-    def template(self, param: torch.Tensor, mesh_info: DataParallelMeshInfo) -> object:
-        return None
 
     def unsharded(self, template: object, local_unsharded: torch.Tensor) -> torch.Tensor:
         return local_unsharded
