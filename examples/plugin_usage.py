@@ -6,10 +6,10 @@ script never imports the plugin class. It looks the extension point up by the te
 plugin's protocol around a real all-gather: ``pre_all_gather`` (int8 data + scale) ->
 ``all_gather_into_tensor`` per input -> ``post_all_gather`` (dequantize).
 
-Note: the FSDP engine in this release consults only the ``shardweave.param_handling`` point
-(for DTensor parameters); an ``AllGatherExtension`` is not yet picked up by ``fully_shard``,
-so the all-gather is driven by hand here. A tensor subclass that defines torch's own
-``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` methods is used by ``fully_shard`` directly.
+Note: ``fully_shard`` itself picks an ``AllGatherExtension`` up at the root's lazy init, for a
+sharded local tensor of its class; here the all-gather is driven by hand to show the protocol.
+A tensor subclass that defines torch's own ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
+methods is used by ``fully_shard`` directly.
 
 Run on 2 CPU processes::
 

@@ -1,4 +1,5 @@
-"""Small shared pieces of the engine: lifecycle enums, tensor-tree walking, chunking helpers.
+"""Small shared pieces of the engine: lifecycle enums, tensor-tree walking, chunking and storage
+helpers.
 
 Design note: tensor vocabulary
     *sharded*: this rank's piece of a parameter, registered on the module as a DTensor between
@@ -40,10 +41,13 @@ __all__ = [
     "ShardPlacementResult",
     "ShardedState",
     "TrainingState",
+    "alloc_storage",
     "apply_to_tensors",
     "cast_floating",
     "chunk_with_empty",
     "collect_grad_tensors",
+    "contiguous_strides",
+    "free_storage",
     "in_backward",
     "replace_grad_tensors",
     "run_eagerly",
@@ -118,6 +122,34 @@ def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[to
     while len(chunks) < num_chunks:
         chunks.append(chunks[0].new_empty(0))
     return chunks
+
+
+def contiguous_strides(size: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size`` (a zero-size dim counts as 1)."""
+    strides = [1] * len(size)
+    for i in range(len(size) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(size[i + 1], 1)
+    return tuple(strides)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s storage but keep the tensor (see Design note: storage resize in
+    ``_fsdp_param``)."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """Give a freed ``tensor`` its bytes back, in the same storage object.
+
+    See Design note: storage resize (``_fsdp_param``): autograd saved views of this storage in
+    the forward; refilling the same storage keeps those references valid.
+    """
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
 
 
 def cast_floating(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

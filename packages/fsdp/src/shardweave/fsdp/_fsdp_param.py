@@ -2,32 +2,32 @@
 
 from __future__ import annotations
 
-import inspect
 import itertools
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement
 
-from shardweave.fsdp._fsdp_common import ShardedState, chunk_with_empty
-from shardweave.fsdp._sharding_rules import padded_shard_size, resolve_dtypes, shard_size
-from shardweave.mesh import FSDPMeshInfo, HSDPMeshInfo
-from shardweave.mesh.extension_points import (
-    ALL_GATHER,
-    PARAM_HANDLING,
-    AllGatherExtension,
-    ParamHandler,
+from shardweave.fsdp._fsdp_common import (
+    ShardedState,
+    alloc_storage,
+    chunk_with_empty,
+    contiguous_strides,
+    free_storage,
 )
+from shardweave.fsdp._fsdp_subclass_gather import detect_subclass_all_gather
+from shardweave.fsdp._param_handler import resolve_param_handler
+from shardweave.fsdp._sharding_rules import padded_shard_size, resolve_dtypes, shard_size
+from shardweave.mesh import FSDPMeshInfo
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
     from shardweave.mesh import DataParallelMeshInfo
+    from shardweave.mesh.extension_points import ParamHandler
 
 __all__ = ["FSDPParam", "ParamModuleInfo"]
 
@@ -47,13 +47,6 @@ class ParamModuleInfo:
     shared_param_names: list[str] = field(default_factory=list)
 
 
-def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
-    strides = [1] * len(size)
-    for i in range(len(size) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(size[i + 1], 1)
-    return tuple(strides)
-
-
 def _dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     # Not from_local: that is differentiable and re-checks metadata on every call.
     return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
@@ -69,23 +62,54 @@ def _set_local_tensor(param: torch.Tensor, local: torch.Tensor) -> None:
     cast(DTensor, param)._local_tensor = local
 
 
-def _free_storage(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
+class _AllGatherStrategy(Protocol):
+    """How one parameter travels through its group's all-gather and comes back unsharded."""
+
+    is_extension: bool  # inputs of its own making (the group's flat fast path does not apply)
+
+    def inputs(self, param: FSDPParam) -> list[torch.Tensor]: ...
+
+    def alloc_outputs(self, param: FSDPParam) -> list[torch.Tensor]: ...
+
+    def unsharded(self, param: FSDPParam, current: nn.Parameter | None) -> torch.Tensor | None:
+        """A new unsharded tensor, or None when ``current`` stays (refilled or still valid)."""
+        ...
+
+    def free(self) -> None:
+        """Release what only this strategy holds (at reshard)."""
+        ...
 
 
-def _alloc_storage(tensor: torch.Tensor) -> None:
-    # See Design note: storage resize. Autograd saved the unsharded parameter (a view of this
-    # tensor) in the forward; refilling the same storage keeps those references valid.
-    storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
+class _FlatAllGather:
+    """The default: the padded shard goes in, ``all_gather_output`` comes back, and the
+    unsharded parameter is a view of it, rebuilt by the parameter's handler."""
+
+    is_extension = False
+
+    def inputs(self, param: FSDPParam) -> list[torch.Tensor]:
+        return [param.all_gather_input()]
+
+    def alloc_outputs(self, param: FSDPParam) -> list[torch.Tensor]:
+        return [param.alloc_all_gather_output()]
+
+    def unsharded(self, param: FSDPParam, current: nn.Parameter | None) -> torch.Tensor | None:
+        # See Design note: storage resize (FSDPParam): the view stays valid across unshards.
+        return param.unsharded_view() if current is None else None
+
+    def free(self) -> None:
+        pass  # all_gather_output belongs to FSDPParam, which frees it
+
+
+_FLAT_ALL_GATHER: _AllGatherStrategy = _FlatAllGather()
 
 
 class FSDPParam:
     """One parameter managed by a group.
+
+    It owns the lifecycle; what differs between parameter kinds it asks of two objects, with
+    no branch per kind here: its ``ParamHandler`` (see ``_param_handler``: plain tensors, a
+    plugin's DTensor, a user's kind) and its all-gather strategy (flat, or a tensor
+    subclass's own: see ``_fsdp_subclass_gather``).
 
     Design note: storage resize
         The unsharded parameter is created once, as a view of its all-gather output buffer.
@@ -102,13 +126,9 @@ class FSDPParam:
     all_gather_output: torch.Tensor  # 1D, every rank's padded shard, rank-major
     _sharded_param_data: torch.Tensor  # 1D, padded: this rank's shard plus zero padding
     _sharded_post_forward_data: torch.Tensor | None  # 1D, this rank's 1/k of the padded full
-    # fsdp_pre/post_all_gather extension state (None/empty for plain tensors)
-    _ext: tuple[Callable[..., Any], Callable[..., Any]] | None
-    _ext_metadata: Any
-    _ext_input_shapes: list[torch.Size]
-    _ext_input_dtypes: list[torch.dtype]
-    _ext_outputs: list[torch.Tensor] | None  # 1D each, every rank's input i, rank-major
-    _ext_inner: tuple[torch.Tensor, ...]  # tensors post_all_gather allocated; freed on reshard
+    _handler: ParamHandler  # what is particular to the parameter's kind (_param_handler)
+    _template: object  # the handler's memo of the original parameter
+    _all_gather: _AllGatherStrategy  # flat, or the tensor subclass's own (from lazy init)
 
     def __init__(
         self,
@@ -143,12 +163,7 @@ class FSDPParam:
         self._sharded_post_forward_param: nn.Parameter | None = None
         self.unsharded_accumulated_grad: torch.Tensor | None = None
         self.sharded_state = ShardedState.SHARDED
-        self._ext = None
-        self._ext_metadata = None
-        self._ext_input_shapes, self._ext_input_dtypes = [], []
-        self._ext_outputs, self._ext_inner = None, ()
-        self._ext_mp_policy: MixedPrecisionPolicy | None = None
-        self._ext_legacy = False
+        self._all_gather = _FLAT_ALL_GATHER
         self._aliases_shard = False  # see alias_sharded_storage
         if not hasattr(param, _UID_ATTR):
             setattr(param, _UID_ATTR, next(_uids))
@@ -157,22 +172,12 @@ class FSDPParam:
 
     # --- construction -------------------------------------------------------------------------
     def _init_sharded_param(self, param: nn.Parameter, placement: Shard | None) -> None:
-        # A DTensor parameter (tensor parallel) is handled by a plugin: FSDP shards its local
-        # tensor and the plugin says how the result is placed and rebuilt. Without a plugin this
-        # raises MissingExtensionError naming the package to install.
-        self._handler: ParamHandler | None = None
-        self._template: object = None
-        data: torch.Tensor = param
-        if self.mesh_info.is_spmd_mesh and not isinstance(param, DTensor):
-            raise ValueError(
-                f"fully_shard: when dp_mesh_dims is provided, all parameters must be DTensors on "
-                f"the SPMD mesh, but '{self.param_fqn}' is a plain {type(param).__name__}; "
-                "distribute it first, e.g. distribute_tensor(param, mesh, [Replicate()] * mesh.ndim)"
-            )
-        if isinstance(param, DTensor):
-            handler = PARAM_HANDLING.get_for_type(type(param), what=f"parameter '{self.param_fqn}'")
-            data = handler.local_tensor(param)
-            self._handler, self._template = handler, handler.template(param, self.mesh_info)
+        # FSDP shards the handler's local tensor; the handler says how the result is placed
+        # and rebuilt. A DTensor parameter without its plugin raises MissingExtensionError
+        # naming the package to install (see Design note: handler resolution).
+        self._handler = resolve_param_handler(param, self.mesh_info, self.param_fqn)
+        data = self._handler.local_tensor(param)
+        self._template = self._handler.template(param, self.mesh_info)
         if param.ndim == 0:
             raise ValueError(
                 f"fully_shard does not support 0-dim parameters: '{self.param_fqn}' has shape (). "
@@ -228,16 +233,7 @@ class FSDPParam:
             if self.pin_memory:
                 padded = padded.pin_memory()
         self._sharded_param_data = padded.view(-1)
-        mesh = self.mesh_info.mesh
-        placements: tuple[Placement, ...]
-        if self._handler is not None:
-            mesh, placements = self._handler.sharded_spec(param, self.mesh_info, shard_dim)
-        elif isinstance(self.mesh_info, HSDPMeshInfo):
-            placements = (Replicate(), self.fsdp_placement)
-        elif not isinstance(self.mesh_info, FSDPMeshInfo):
-            placements = (Replicate(),)
-        else:
-            placements = (self.fsdp_placement,)
+        mesh, placements = self._handler.sharded_spec(param, self.mesh_info, shard_dim)
         self._sharding_spec = DTensorSpec(
             mesh,
             placements,
@@ -326,66 +322,28 @@ class FSDPParam:
         return True
 
     # --- all-gather ---------------------------------------------------------------------------
-    # --- tensor-subclass all-gather extension (torch's fsdp_pre/post_all_gather protocol) -------
     def detect_extension(self, mp_policy: MixedPrecisionPolicy) -> None:
-        """Use the sharded local tensor's ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` (as
-        methods of a subclass or attributes patched on the tensor), else an ``ALL_GATHER``
-        plugin registered for its class; re-detected at lazy init so patching after
-        ``to_empty`` works."""
-        local = _local_tensor(self.sharded_param)
-        pre = getattr(local, "fsdp_pre_all_gather", None)
-        post = getattr(local, "fsdp_post_all_gather", None)
-        if pre is None and post is None and type(local) is not torch.Tensor:
-            # torch's methods win (STYLE: torch compatibility first); the registry is for
-            # tensor classes their owner cannot give those methods.
-            plugin = ALL_GATHER.find_for_type(type(local))
-            if plugin is not None:
-                pre, post = self._plugin_all_gather(plugin)
-        if (pre is None) != (post is None):
-            raise AssertionError(
-                f"'{self.param_fqn}': a tensor defining one of fsdp_pre_all_gather / "
-                "fsdp_post_all_gather must define both"
-            )
-        self._ext = None if pre is None or post is None else (pre, post)
-        self._ext_mp_policy = mp_policy
-        if pre is not None:
-            arity = len(inspect.signature(pre).parameters)
-            if arity not in (1, 5):
-                raise AssertionError(
-                    f"'{self.param_fqn}': fsdp_pre_all_gather must take (mesh) or (mesh, "
-                    f"outer_size, outer_stride, module, mp_policy), got {arity} parameters"
-                )
-            self._ext_legacy = arity == 1
-
-    def _plugin_all_gather(self, plugin: AllGatherExtension) -> tuple[Any, Any]:
-        """An ``AllGatherExtension`` as torch's one-argument ``fsdp_pre_all_gather`` and its
-        ``fsdp_post_all_gather`` (which refills ``out`` in place from the second unshard on)."""
-
-        def pre(mesh: DeviceMesh) -> tuple[tuple[torch.Tensor, ...], object]:
-            tensors, meta = plugin.pre_all_gather(_local_tensor(self.sharded_param), mesh)
-            return tuple(tensors), meta
-
-        def post(
-            outs: Sequence[torch.Tensor],
-            meta: object,
-            dtype: torch.dtype,
-            *,
-            out: torch.Tensor | None = None,
-        ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-            full = plugin.post_all_gather(outs, meta, dtype)
-            if out is None:
-                return full, (full,)
-            with torch.no_grad():
-                out.copy_(full.view_as(out))
-            return None
-
-        return pre, post
+        """Pick the all-gather: the sharded local tensor's own (torch's fsdp_pre/post_all_gather
+        protocol, or an ``ALL_GATHER`` plugin for its class), else the flat one. Called at lazy
+        init, so hooks patched on after ``to_empty`` count."""
+        found = detect_subclass_all_gather(self, self.sharded_local_tensor(), mp_policy)
+        self._all_gather = found or _FLAT_ALL_GATHER
 
     @property
     def has_extension(self) -> bool:
-        return self._ext is not None
+        return self._all_gather.is_extension
 
-    def _shard_mesh(self) -> DeviceMesh:
+    @property
+    def module(self) -> nn.Module:
+        """The module the parameter is first registered on."""
+        return self._module_info.module
+
+    def sharded_local_tensor(self) -> torch.Tensor:
+        """This rank's shard, as registered (the sharded DTensor's local tensor)."""
+        return _local_tensor(self.sharded_param)
+
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1D mesh this parameter is sharded over."""
         mesh = self.mesh_info.mesh
         if mesh.ndim == 1 or self.mesh_info.shard_mesh_dim is None:
             return mesh
@@ -395,76 +353,11 @@ class FSDPParam:
 
     def all_gather_inputs(self) -> list[torch.Tensor]:
         """This rank's 1D contributions to the group's all-gather (usually one)."""
-        if self._ext is None:
-            return [self.all_gather_input()]
-        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
-            raise NotImplementedError(
-                f"'{self.param_fqn}': fsdp_pre_all_gather extensions are not supported with an "
-                "int reshard_after_forward"
-            )
-        pre, _ = self._ext
-        if self._ext_legacy:
-            inputs, self._ext_metadata = pre(self._shard_mesh())
-        else:
-            inputs, self._ext_metadata = pre(
-                self._shard_mesh(),
-                self.orig_size,
-                _contiguous_strides(self.orig_size),
-                self._module_info.module,
-                self._ext_mp_policy,
-            )
-        if self.sharded_size != self.padded_sharded_size and any(
-            t.size() != self.padded_sharded_size for t in inputs
-        ):
-            raise AssertionError(
-                f"'{self.param_fqn}': with uneven sharding every fsdp_pre_all_gather output must "
-                f"have the padded size {tuple(self.padded_sharded_size)}, got "
-                f"{[tuple(t.size()) for t in inputs]}"
-            )
-        self._ext_input_shapes = [t.size() for t in inputs]
-        self._ext_input_dtypes = [t.dtype for t in inputs]
-        return [t.to(self.device).contiguous().view(-1) for t in inputs]
+        return self._all_gather.inputs(self)
 
     def alloc_all_gather_outputs(self) -> list[torch.Tensor]:
         """The 1D output buffers, one per all-gather input, storage allocated."""
-        if self._ext is None:
-            return [self.alloc_all_gather_output()]
-        world = self.shard_world_size
-        outs = self._ext_outputs
-        if outs is None:
-            # Shapes and dtypes are fixed after the first pre-all-gather, as torch assumes.
-            dtypes = self._ext_input_dtypes
-            outs = [
-                torch.empty(world * s.numel(), dtype=d, device=self.device)
-                for s, d in zip(self._ext_input_shapes, dtypes, strict=True)
-            ]
-            self._ext_outputs = outs
-        else:
-            for out in outs:
-                _alloc_storage(out)
-        return outs
-
-    def _finish_extension_unshard(self) -> None:
-        assert self._ext is not None and self._ext_outputs is not None
-        _, post = self._ext
-        outs = [
-            o.view(-1, *shape[1:])
-            for o, shape in zip(self._ext_outputs, self._ext_input_shapes, strict=True)
-        ]
-        dtype = self.param_dtype or self.orig_dtype
-        if self._unsharded_param is None:
-            unsharded, inner = post(outs, self._ext_metadata, dtype)
-            self._ext_inner = tuple(inner)
-            self._unsharded_param = nn.Parameter(
-                unsharded.view(self.orig_size), requires_grad=self.sharded_param.requires_grad
-            )
-        else:
-            for t in self._ext_inner:
-                _alloc_storage(t)
-            # Refill in place: the parameter autograd saved must keep its version.
-            with torch.autograd.grad_mode._unsafe_preserve_version_counter(self._unsharded_param):
-                post(outs, self._ext_metadata, dtype, out=self._unsharded_param)
-        self._ext_metadata = None
+        return self._all_gather.alloc_outputs(self)
 
     def all_gather_input(self) -> torch.Tensor:
         """This rank's 1D contribution to the group's all-gather (cast/moved as needed)."""
@@ -512,25 +405,24 @@ class FSDPParam:
                     self.all_gather_output, dtype=self.unsharded_dtype
                 )
                 self._unsharded_param = None
-            _alloc_storage(self.all_gather_output)
+            alloc_storage(self.all_gather_output)
         return self.all_gather_output
 
     def init_unsharded_param(self) -> None:
         """Create the unsharded parameter once; later unshards refill its storage in place."""
-        if self._ext is not None:
-            self._finish_extension_unshard()
-            return
-        if self._unsharded_param is not None:
-            return
+        unsharded = self._all_gather.unsharded(self, self._unsharded_param)
+        if unsharded is not None:
+            self._unsharded_param = nn.Parameter(
+                unsharded, requires_grad=self.sharded_param.requires_grad
+            )
+
+    def unsharded_view(self) -> torch.Tensor:
+        """The unsharded parameter over ``all_gather_output``, as the handler rebuilds it."""
         out = self.all_gather_output  # a slice of the shards' flat buffer when aliasing
         unsharded = out.as_strided(
-            self.orig_size, _contiguous_strides(self.orig_size), out.storage_offset()
+            self.orig_size, contiguous_strides(self.orig_size), out.storage_offset()
         )
-        if self._handler is not None:
-            unsharded = self._handler.unsharded(self._template, unsharded)
-        self._unsharded_param = nn.Parameter(
-            unsharded, requires_grad=self.sharded_param.requires_grad
-        )
+        return self._handler.unsharded(self._template, unsharded)
 
     @property
     def unsharded_param(self) -> nn.Parameter:
@@ -554,9 +446,8 @@ class FSDPParam:
         self._setattr_on_modules(self.sharded_param)
         self._free_post_forward_data()
         if hasattr(self, "all_gather_output") and not self._aliases_shard:
-            _free_storage(self.all_gather_output)
-        for t in (*(self._ext_outputs or ()), *self._ext_inner):
-            _free_storage(t)
+            free_storage(self.all_gather_output)
+        self._all_gather.free()
         self.sharded_state = ShardedState.SHARDED
 
     def to_sharded_post_forward(self) -> None:
@@ -566,7 +457,9 @@ class FSDPParam:
             raise AssertionError("to_sharded_post_forward needs a post-forward mesh")
         if self.sharded_state != ShardedState.UNSHARDED:
             raise AssertionError(f"expected UNSHARDED, got {self.sharded_state}")
-        if self._handler is not None:
+        if isinstance(self.unsharded_param, DTensor):
+            # The post-forward shard is a slice placed on the post-forward mesh; an unsharded
+            # parameter that is itself a DTensor would need its own placements there too.
             raise NotImplementedError(
                 f"an int reshard_after_forward is not supported for DTensor parameter "
                 f"'{self.param_fqn}' (tensor parallel); pass True or False"
@@ -580,7 +473,7 @@ class FSDPParam:
             info.mesh,
             placements,
             tensor_meta=TensorMeta(
-                self.orig_size, _contiguous_strides(self.orig_size), self.unsharded_dtype
+                self.orig_size, contiguous_strides(self.orig_size), self.unsharded_dtype
             ),
         )
         local = self._sharded_post_forward_local()
@@ -588,7 +481,7 @@ class FSDPParam:
             _dtensor(local, spec), requires_grad=self.sharded_param.requires_grad
         )
         self._setattr_on_modules(self._sharded_post_forward_param)
-        _free_storage(self.all_gather_output)
+        free_storage(self.all_gather_output)
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _sharded_post_forward_local(self) -> torch.Tensor:
@@ -647,24 +540,18 @@ class FSDPParam:
 
     def take_unsharded_grad(self, zero_if_unused: bool) -> torch.Tensor | None:
         """Pop this parameter's pending unsharded gradient, as the local tensor to reduce."""
-        grad = self._take_unsharded_grad(zero_if_unused)
-        if grad is not None and self._handler is not None and isinstance(grad, DTensor):
-            grad = self._handler.reduce_grad(self._template, grad)
-        return grad
-
-    def _take_unsharded_grad(self, zero_if_unused: bool) -> torch.Tensor | None:
-        if self._unsharded_param is None:
-            return None
-        if self.unsharded_accumulated_grad is not None:
-            grad = self.unsharded_accumulated_grad
-            self.unsharded_accumulated_grad = None
-            return grad
         param = self._unsharded_param
-        if param.grad is not None:
-            grad = param.grad
-            param.grad = None
-            return grad
+        if param is None:
+            return None
+        grad = self.unsharded_accumulated_grad
+        if grad is not None:
+            self.unsharded_accumulated_grad = None
+        elif param.grad is not None:
+            grad, param.grad = param.grad, None
+        if grad is not None:
+            return self._handler.reduce_grad(self._template, grad)
         if zero_if_unused and param.requires_grad:
+            # Made local already: there is no parameter-kind layout to undo.
             return torch.zeros(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
         return None
 

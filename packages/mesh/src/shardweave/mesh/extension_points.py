@@ -17,7 +17,9 @@ plugin for a class also covers its subclasses.
 
 Where the engine consults each point:
 
-- ``PARAM_HANDLING``: at ``fully_shard``, for each DTensor parameter.
+- ``PARAM_HANDLING``: at ``fully_shard``, for each parameter's class. A plugin for the class
+  (or a base) wins; a class no plugin handles gets the engine's built-in plain-tensor handler,
+  unless it is a DTensor, which raises ``MissingExtensionError``.
 - ``COLLECTIVES``: in the engine's collective seam, once per device type. ``shardweave-fsdp``
   ships the c10d default under the key ``"default"``.
 - ``ALL_GATHER``: at the root's lazy init, for a sharded local tensor of a class that does not
@@ -63,9 +65,11 @@ class ParamHandler(Protocol):
 
     The engine shards ``local_tensor(param)`` on dim ``shard_dim`` over the shard dim of
     the mesh info, all-gathers it for forward and backward, and calls ``unsharded`` to turn
-    the gathered tensor back into a parameter of the original kind. The built-in handler
-    (plain ``torch.Tensor``) returns tensors unchanged and shards on the data-parallel mesh;
-    ``shardweave-extensions`` handles DTensor parameters with tensor-parallel placements.
+    the gathered tensor back into a parameter of the original kind. ``shardweave-fsdp``'s
+    built-in ``PlainTensorHandler`` (for every class but DTensor that no plugin handles; it is
+    the engine's default, not a registration) returns tensors unchanged and shards on the
+    data-parallel mesh; ``shardweave-extensions`` handles DTensor parameters with
+    tensor-parallel placements.
 
     ``reduce_grad`` runs for every parameter in every backward, so any redistribute it does
     is a collective per parameter per step; the other methods run once, at ``fully_shard``.
@@ -265,7 +269,7 @@ class Collectives(Protocol):
 PARAM_HANDLING: Final[ExtensionPoint[ParamHandler]] = ExtensionPoint(
     "shardweave.param_handling", ParamHandler, install="shardweave-extensions"
 )
-"""Per parameter type: how it is sharded and rebuilt (plain tensors are built in)."""
+"""Per parameter type: how it is sharded and rebuilt (plain tensors are the engine's default)."""
 
 ALL_GATHER: Final[ExtensionPoint[AllGatherExtension]] = ExtensionPoint(
     "shardweave.all_gather", AllGatherExtension, install="shardweave-extensions"

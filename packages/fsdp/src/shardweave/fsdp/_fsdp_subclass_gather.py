@@ -1,0 +1,193 @@
+"""Tensor subclasses that shape their own all-gather: torch's fsdp_pre/post_all_gather protocol.
+
+A sharded local tensor that defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (as
+methods of its class or attributes patched onto it), or whose class has an ``ALL_GATHER``
+plugin, sends what its pre-hook returns through the all-gather instead of its own bytes, and
+its post-hook builds the unsharded tensor from what arrives. ``SubclassAllGather`` is that
+protocol as the all-gather strategy of one ``FSDPParam``; ``detect_subclass_all_gather``
+decides whether a parameter has one. Everything the protocol keeps between calls is one
+``SubclassGatherState``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardweave.fsdp._fsdp_common import (
+    ShardedState,
+    alloc_storage,
+    contiguous_strides,
+    free_storage,
+)
+from shardweave.mesh.extension_points import ALL_GATHER, AllGatherExtension
+
+if TYPE_CHECKING:
+    from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+    from shardweave.fsdp._fsdp_param import FSDPParam
+
+__all__ = ["SubclassAllGather", "SubclassGatherState", "detect_subclass_all_gather"]
+
+
+@dataclass
+class SubclassGatherState:
+    """The protocol's hooks and what they left for the next call, for one parameter."""
+
+    pre: Callable[..., Any]
+    post: Callable[..., Any]
+    legacy: bool  # fsdp_pre_all_gather(mesh), torch's first signature
+    mp_policy: MixedPrecisionPolicy
+    metadata: Any = None  # from the last pre-hook, handed to the next post-hook
+    input_shapes: list[torch.Size] = field(default_factory=list)
+    input_dtypes: list[torch.dtype] = field(default_factory=list)
+    outputs: list[torch.Tensor] | None = None  # 1D each, every rank's input i, rank-major
+    inner: tuple[torch.Tensor, ...] = ()  # tensors post_all_gather allocated; freed on reshard
+
+
+class SubclassAllGather:
+    """The all-gather of one parameter whose sharded local tensor brings its own hooks."""
+
+    is_extension = True
+
+    def __init__(self, state: SubclassGatherState) -> None:
+        self.state = state
+
+    def inputs(self, param: FSDPParam) -> list[torch.Tensor]:
+        """The pre-hook's tensors, 1D on the compute device."""
+        state = self.state
+        if param.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            raise NotImplementedError(
+                f"'{param.param_fqn}': fsdp_pre_all_gather extensions are not supported with "
+                "an int reshard_after_forward"
+            )
+        mesh = param.shard_mesh()
+        if state.legacy:
+            inputs, state.metadata = state.pre(mesh)
+        else:
+            inputs, state.metadata = state.pre(
+                mesh,
+                param.orig_size,
+                contiguous_strides(param.orig_size),
+                param.module,
+                state.mp_policy,
+            )
+        if param.sharded_size != param.padded_sharded_size and any(
+            t.size() != param.padded_sharded_size for t in inputs
+        ):
+            raise AssertionError(
+                f"'{param.param_fqn}': with uneven sharding every fsdp_pre_all_gather output "
+                f"must have the padded size {tuple(param.padded_sharded_size)}, got "
+                f"{[tuple(t.size()) for t in inputs]}"
+            )
+        state.input_shapes = [t.size() for t in inputs]
+        state.input_dtypes = [t.dtype for t in inputs]
+        return [t.to(param.device).contiguous().view(-1) for t in inputs]
+
+    def alloc_outputs(self, param: FSDPParam) -> list[torch.Tensor]:
+        """One 1D buffer per input, storage allocated."""
+        state = self.state
+        outs = state.outputs
+        if outs is None:
+            # Shapes and dtypes are fixed after the first pre-all-gather, as torch assumes.
+            outs = [
+                torch.empty(param.shard_world_size * s.numel(), dtype=d, device=param.device)
+                for s, d in zip(state.input_shapes, state.input_dtypes, strict=True)
+            ]
+            state.outputs = outs
+        else:
+            for out in outs:
+                alloc_storage(out)
+        return outs
+
+    def unsharded(self, param: FSDPParam, current: nn.Parameter | None) -> torch.Tensor | None:
+        """The post-hook's tensor on the first unshard; later ones refill ``current``."""
+        state = self.state
+        assert state.outputs is not None
+        outs = [
+            o.view(-1, *shape[1:])
+            for o, shape in zip(state.outputs, state.input_shapes, strict=True)
+        ]
+        dtype = param.unsharded_dtype
+        result: torch.Tensor | None = None
+        if current is None:
+            unsharded, inner = state.post(outs, state.metadata, dtype)
+            state.inner = tuple(inner)
+            result = unsharded.view(param.orig_size)
+        else:
+            for t in state.inner:
+                alloc_storage(t)
+            # Refill in place: the parameter autograd saved must keep its version.
+            with torch.autograd.grad_mode._unsafe_preserve_version_counter(current):
+                state.post(outs, state.metadata, dtype, out=current)
+        state.metadata = None
+        return result
+
+    def free(self) -> None:
+        """Release the output buffers and the post-hook's tensors (at reshard)."""
+        for t in (*(self.state.outputs or ()), *self.state.inner):
+            free_storage(t)
+
+
+def detect_subclass_all_gather(
+    param: FSDPParam, local: torch.Tensor, mp_policy: MixedPrecisionPolicy
+) -> SubclassAllGather | None:
+    """The protocol for ``param`` whose sharded local tensor is ``local``, if it has one.
+
+    torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the tensor win; else an
+    ``ALL_GATHER`` plugin registered for its class. Detected at the root's lazy init, so hooks
+    patched on after ``to_empty`` count.
+    """
+    pre = getattr(local, "fsdp_pre_all_gather", None)
+    post = getattr(local, "fsdp_post_all_gather", None)
+    if pre is None and post is None and type(local) is not torch.Tensor:
+        # torch's methods win (STYLE: torch compatibility first); the registry is for
+        # tensor classes their owner cannot give those methods.
+        plugin = ALL_GATHER.find_for_type(type(local))
+        if plugin is not None:
+            pre, post = _plugin_hooks(param, plugin)
+    if (pre is None) != (post is None):
+        raise AssertionError(
+            f"'{param.param_fqn}': a tensor defining one of fsdp_pre_all_gather / "
+            "fsdp_post_all_gather must define both"
+        )
+    if pre is None or post is None:
+        return None
+    arity = len(inspect.signature(pre).parameters)
+    if arity not in (1, 5):
+        raise AssertionError(
+            f"'{param.param_fqn}': fsdp_pre_all_gather must take (mesh) or (mesh, "
+            f"outer_size, outer_stride, module, mp_policy), got {arity} parameters"
+        )
+    return SubclassAllGather(SubclassGatherState(pre, post, arity == 1, mp_policy))
+
+
+def _plugin_hooks(param: FSDPParam, plugin: AllGatherExtension) -> tuple[Any, Any]:
+    """An ``AllGatherExtension`` as torch's one-argument ``fsdp_pre_all_gather`` and its
+    ``fsdp_post_all_gather`` (which refills ``out`` in place from the second unshard on)."""
+
+    def pre(mesh: DeviceMesh) -> tuple[tuple[torch.Tensor, ...], object]:
+        # The local tensor at call time: reset_sharded_param may have moved the shard.
+        tensors, meta = plugin.pre_all_gather(param.sharded_local_tensor(), mesh)
+        return tuple(tensors), meta
+
+    def post(
+        outs: Sequence[torch.Tensor],
+        meta: object,
+        dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        full = plugin.post_all_gather(outs, meta, dtype)
+        if out is None:
+            return full, (full,)
+        with torch.no_grad():
+            out.copy_(full.view_as(out))
+        return None
+
+    return pre, post
