@@ -1,6 +1,9 @@
 """Every check shardweave runs. CI runs `nox` (the default sessions) and nothing else.
 
-    nox                     tests, typecheck, lint, isolated(mesh|fsdp|replicate|extensions)
+    nox                     tests, typecheck, lint, isolated(mesh|fsdp|replicate|extensions),
+                            integration
+    nox -s integration      the frameworks (Lightning, Fabric, accelerate, pipelining, DCP) with
+                            torch's FSDP2 and ours in the same test
     nox -s demo             train a small GPT with fully_shard on 2 local CPU processes (torchrun)
     nox -s bench            timing scripts; never gates a merge
     nox -s docs             build the Sphinx docs into docs/_build/html, warnings as errors
@@ -45,9 +48,14 @@ TEST_PLUGIN = "tests/fixtures/shardweave_test_plugin"
 # and numpy (torch 2.13's object collectives need it on gloo). The one list: the demo session
 # installs it, and tests/demos/test_readme_demo.py reads it (with ast: no nox needed there).
 DEMO_REQUIREMENTS = ("./packages/fsdp[plot]", "numpy")
+# The frameworks tests/integration drives, pinned: each release checked to leave torch 2.13.0 in
+# place (pip install --dry-run "torch==2.13.0" <pin> installs no other torch). lightning is the
+# newest release (its Trainer and Fabric strategies for FSDP2); accelerate for its FSDP2 wrapping.
+INTEGRATION_REQUIREMENTS = ("lightning==2.6.6", "accelerate==1.15.0")
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "typecheck", "lint", "isolated"]  # demo, bench, docs on request
+# demo, bench, docs on request
+nox.options.sessions = ["tests", "typecheck", "lint", "isolated", "integration"]
 nox.options.error_on_external_run = True
 
 
@@ -130,6 +138,20 @@ def tests(session: nox.Session) -> None:
     )
     # With arguments, pytest gets only those (testpaths = ["tests"] still applies to `-k ...`).
     session.run("pytest", *(session.posargs or ["tests"]))
+
+
+@nox.session(python=PYTHON)
+def integration(session: nox.Session) -> None:
+    """tests/integration: each framework test runs torch's fully_shard and ours side by side.
+
+    The frameworks come pinned from INTEGRATION_REQUIREMENTS, in the same pip call as the four
+    packages, after torch (so none of them can pull another torch). The tests session never
+    installs them, and tests/integration/conftest.py collects nothing where Lightning is missing.
+    """
+    _install_torch(session)
+    # numpy: torch's object collectives on gloo; expecttest: torch's testing internals import it
+    _install_all_packages(session, *TEST_DEPS, "numpy", "expecttest", *INTEGRATION_REQUIREMENTS)
+    session.run("pytest", *(session.posargs or ["tests/integration"]))
 
 
 @nox.session(python=PYTHON)

@@ -93,3 +93,11 @@ def llama_tiny() -> Llama:
     return Llama(
         LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=96, vocab_size=97)
     )
+
+
+def llama_1b() -> Llama:
+    """A 1.1B-parameter model of the same shape family (Llama-3.2-1B's width and depth, a
+    32K vocabulary), for a plan with a sample input: ``--sample-input 4x2048:long``."""
+    return Llama(
+        LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=32000)
+    )

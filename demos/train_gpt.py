@@ -210,6 +210,53 @@ class RankMemory:
     grad_bytes: int  # this rank's gradient shards, after the last backward
     optim_state_bytes: int  # AdamW moments (and step counters) for this rank's shards
     peak_live_tensor_bytes: int | None
+    # Peak live tensor bytes over one step's forward and backward, counted as the benchmark
+    # counts them (``StepPeak``); the planner's "peak with activations" predicts it.
+    step_peak_bytes: int | None = None
+
+
+class StepPeak:
+    """Peak live tensor bytes over a forward and backward, as ``benchmarks/run.py`` counts
+    them: the profiler's allocation events carry the allocator's running total, so the peak
+    of bytes allocated inside the window, plus the storages live when it opened (parameters,
+    gradients, optimizer state and the batch), is the step's peak."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, batch: Iterable[Any]):
+        from torch.profiler import ProfilerActivity, profile
+
+        held = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+        held += [*model.buffers(), *optimizer_state_tensors(opt), *batch]
+        storages = {}
+        for t in held:
+            s = local_tensor(t).untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+        storages.pop(0, None)
+        self.before = sum(storages.values())
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.peak = 0
+
+    def __enter__(self) -> StepPeak:
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.__exit__(None, None, None)
+        from torch._C._profiler import _EventType
+
+        results = self._prof.profiler.kineto_results if self._prof.profiler else None
+        events: list[Any] = []
+        todo = list(results.experimental_event_tree()) if results is not None else []
+        while todo:
+            ev = todo.pop()
+            events.append(ev)
+            todo.extend(ev.children)
+        allocs = sorted(
+            (e.start_time_ns, e.typed[1].total_allocated, e.typed[1].alloc_size)
+            for e in events
+            if e.tag == _EventType.Allocation and e.typed[1].device.type == "cpu"
+        )
+        offset = allocs[0][1] - allocs[0][2] if allocs else 0
+        self.peak = self.before + max([0, *(total - offset for _, total, _ in allocs)])
 
 
 def peak_rss_bytes() -> int:
@@ -290,6 +337,8 @@ class Report:
     evals: list[dict[str, float]] = field(default_factory=list)
     sample: str = ""
     plan_vs_trace: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The planner's peak with activations (rank 0) and the measured StepPeak of rank 0.
+    peak_vs_plan: dict[str, int] = field(default_factory=dict)
     trace_files: list[str] = field(default_factory=list)  # every rank's, rank 0's first
     notices: list[str] = field(default_factory=list)  # each printed once, by rank 0
 
@@ -317,14 +366,29 @@ def estimate_loss(
     return out
 
 
-def print_plan(config: GPTConfig, world: int) -> Any:
-    """Print and return the planner's prediction for exactly this setup (a meta-device model,
-    no collectives). Rank 0 alone calls it: the report, which compares it with the trace, is
-    rank 0's."""
+def print_plan(config: GPTConfig, world: int, args: argparse.Namespace) -> Any:
+    """Print and return the planner's prediction for exactly this setup (a meta-device model
+    and one fake-tensor step on a batch of this shape, no collectives). Rank 0 alone calls it:
+    the report, which compares it with the trace and the measured peak, is rank 0's."""
     from shardweave.fsdp.plan import format_table, plan
 
+    shape = (args.batch_size, args.block_size)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+
+    def loss_of(out: Any, _batch: Any) -> torch.Tensor:
+        return out[1]  # GPT returns (logits, loss)
+
     predicted = plan(
-        lambda: GPT(config), mesh=world, wrap=Block, optimizer="adamw", backward_prefetch=1
+        lambda: GPT(config),
+        mesh=world,
+        wrap=Block,
+        optimizer="adamw",
+        backward_prefetch=1,
+        sample_input=batch,
+        loss_fn=loss_of,
+        backend="gloo",
     )
     print(format_table(predicted), file=sys.stderr, flush=True)
     return predicted
@@ -339,9 +403,10 @@ def start_tracer(args: argparse.Namespace) -> Any:
 
 
 # Planner fields and the tracer's measurement of the same quantity in the last traced step
-# (step 0 is the warm-up: lazy init runs there).
+# (step 0 is the warm-up: lazy init runs there). The tracer's "gathered bytes" count an
+# all-gather from its issue, buffer in flight included, so they are not the planner's gathered
+# parameters; memory is compared as the peak with activations instead (StepPeak).
 PLAN_VS_TRACE: Final = (
-    ("peak gathered param bytes", "peak_gathered_param_bytes", "peak_gathered_bytes"),
     ("all-gather bytes / step", "all_gather", "all_gather"),
     ("reduce-scatter bytes / step", "reduce_scatter", "reduce_scatter"),
 )
@@ -410,7 +475,7 @@ def train(args: argparse.Namespace) -> Report | None:
         n_head=args.n_head,
         n_embd=args.n_embd,
     )
-    predicted = print_plan(config, world) if args.impl == "shardweave" and rank == 0 else None
+    predicted = print_plan(config, world, args) if args.impl == "shardweave" and rank == 0 else None
     torch.manual_seed(args.seed)  # same seed on every rank: identical init before sharding
     model = GPT(config)
     num_params = model.num_params()
@@ -434,6 +499,9 @@ def train(args: argparse.Namespace) -> Report | None:
     param_bytes = grad_bytes = optim_bytes = 0
     # The last step runs under the live-bytes tracker (its own cost would skew the timing).
     instrumented = args.steps - 1 if args.track_live_bytes else -1
+    # The step before it measures the forward-and-backward peak the planner predicted.
+    peak_step = args.steps - 2 if args.impl == "shardweave" else -1
+    step_peak: StepPeak | None = None
     t_start = time.perf_counter()
     for step in range(args.steps):
         x, y = data.batch(
@@ -443,10 +511,15 @@ def train(args: argparse.Namespace) -> Report | None:
             live.track(model.parameters())
             live.track(optimizer_state_tensors(opt))
             live.__enter__()
+        if step == peak_step:
+            step_peak = StepPeak(model, opt, (x, y)).__enter__()
         t0 = time.perf_counter()
         _, loss = model(x, y)
         assert loss is not None
         loss.backward()
+        if step == peak_step:
+            assert step_peak is not None
+            step_peak.__exit__(None, None, None)
         opt.step()
         if step == args.steps - 1:
             # Measured here, where every group is sharded: the root (reshard_after_forward
@@ -467,7 +540,7 @@ def train(args: argparse.Namespace) -> Report | None:
             live.__exit__(None, None, None)
         # Step 0 pays for lazy init and optimizer-state allocation, and tracing costs time:
         # neither is a steady-state step.
-        elif step > 0 and not traced:
+        elif step > 0 and not traced and step != peak_step:
             step_ms.append(dt_ms)
         progress.update(step, loss.item(), dt_ms)
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
@@ -494,6 +567,7 @@ def train(args: argparse.Namespace) -> Report | None:
         grad_bytes=grad_bytes,
         optim_state_bytes=optim_bytes,
         peak_live_tensor_bytes=live.peak if args.track_live_bytes else None,
+        step_peak_bytes=step_peak.peak if step_peak is not None else None,
     )
     # Memory, files and notices of every rank, for rank 0's report.
     gathered: list[tuple[RankMemory, list[str], list[str]] | None] = [None] * world
@@ -537,6 +611,11 @@ def train(args: argparse.Namespace) -> Report | None:
         evals=evals,
         sample=sample,
         plan_vs_trace=plan_vs_trace,
+        peak_vs_plan=(
+            {"plan": predicted.activations.peak_bytes, "measured": mem.step_peak_bytes}
+            if predicted is not None and mem.step_peak_bytes is not None
+            else {}
+        ),
         trace_files=[f for _, files, _ in per_rank for f in files],
         notices=merged_notices,
     )
@@ -577,6 +656,12 @@ def format_report(r: Report) -> str:
             lines.append(
                 f"  {label:<28} plan {v['plan'] / MIB:>8.3f}   trace {v['trace'] / MIB:>8.3f}  {mark}"
             )
+    if r.peak_vs_plan:
+        plan_b, measured = r.peak_vs_plan["plan"], r.peak_vs_plan["measured"]
+        lines.append(
+            f"peak with activations (rank 0, forward + backward; MiB)  plan {plan_b / MIB:.3f}"
+            f"   measured {measured / MIB:.3f}   error {(plan_b - measured) / measured:+.1%}"
+        )
     if r.trace_files:
         lines.append("trace files: " + ", ".join(r.trace_files))
     lines += ["sample (temperature 0.8):", "-" * 72, r.sample, "-" * 72]

@@ -10,8 +10,15 @@ Fails (exit 1, one line per problem) on:
     mesh <- extensions), or one whose range excludes the sibling's current version;
   * an import of ``shardweave.<x>`` in ``packages/<p>/src`` where ``x`` is neither ``p`` nor a
     declared dependency ``shardweave-<x>`` in ``packages/<p>/pyproject.toml``;
+  * an import of a sibling's private module or name (``shardweave.<x>._y``, ``x`` not ``p``):
+    siblings are released separately, so they meet at public names only (for the engine,
+    ``shardweave.fsdp.engine``);
   * an import of torch's FSDP engine in package source: shardweave ships its own (only the
-    policy dataclasses of ``torch.distributed.fsdp`` may be imported, by name).
+    policy dataclasses and the ``FSDPModule`` marker class of ``torch.distributed.fsdp`` may be
+    imported, by name);
+  * a module under ``tests/`` importing a test module (``tests/**/test_*.py``): what tests share
+    lives in helper modules (``tests/<pkg>/_*.py``, ``tests/_dist``), so deleting or renaming a
+    test never breaks another.
 
 Usage: python tools/check_layout.py [--root DIR]
 """
@@ -48,11 +55,12 @@ BANNED_TORCH_MODULES: Final[tuple[str, ...]] = (
     "torch.distributed.tensor.parallel.fsdp",
 )
 # The public names of torch.distributed.fsdp that package code may import: the policy
-# dataclasses, which fully_shard and replicate accept as well as their own (ARCHITECTURE.md,
+# dataclasses, which fully_shard and replicate accept as well as their own, and FSDPModule, a
+# marker base of the classes they create so torch's isinstance checks hold (ARCHITECTURE.md,
 # "Interop with torch's ecosystem"). Nothing else from that package, its engine least of all.
 ALLOWED_TORCH_NAMES: Final[frozenset[str]] = frozenset(
     f"torch.distributed.fsdp.{name}"
-    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")
+    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "FSDPModule")
 )
 _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
@@ -184,6 +192,7 @@ def check(root: Path) -> list[str]:
             problems += _check_source(root, pkg.name, path, declared[pkg.name])
 
     problems += _check_ranges(root, declared, versions)
+    problems += _check_test_imports(root)
     return problems
 
 
@@ -213,12 +222,64 @@ def _check_source(root: Path, pkg: str, path: Path, deps: dict[str, str]) -> lis
                         else ""
                     )
                 )
+            private = next(
+                (i for i, p in enumerate(parts) if i > 1 and p[:1] == "_" and p[:2] != "__"), None
+            )
+            # one problem per private module, not per name imported from it
+            name = ".".join(parts[: private + 1]) if private is not None else ""
+            if sibling != pkg and private is not None and (line, name) not in seen:
+                seen.add((line, name))
+                problems.append(
+                    f"{rel}:{line}: imports {name}, private to shardweave-{sibling}; siblings are "
+                    "released separately, so use its public names (add one there, e.g. to "
+                    "shardweave.fsdp.engine, if it lacks what you need)"
+                )
         if _is_banned(module) and (line, module) not in seen:
             seen.add((line, module))
             problems.append(
                 f"{rel}:{line}: imports {module}: torch's FSDP engine must not be used in package "
                 "code; shardweave ships its own (tests may use it as an oracle)"
             )
+    return problems
+
+
+def _test_module_of(root: Path, module: str) -> str | None:
+    """The ``tests/**/test_*.py`` file that importing ``module`` loads, if any (relative path)."""
+    parts = module.split(".")
+    # `from tests.a import test_b` yields tests.a.test_b; `import tests.a.test_b.x` reaches it too
+    for end in range(2, len(parts) + 1):
+        if parts[end - 1].startswith("test_"):
+            path = root.joinpath(*parts[:end]).with_suffix(".py")
+            if path.is_file():
+                return str(path.relative_to(root))
+    return None
+
+
+def _check_test_imports(root: Path) -> list[str]:
+    tests = root / "tests"
+    if not tests.is_dir():
+        return []
+    problems: list[str] = []
+    for path in sorted(tests.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        is_pkg = parts[-1] == "__init__"
+        module_name = ".".join(parts[:-1] if is_pkg else parts)
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except SyntaxError as exc:
+            problems.append(f"{path.relative_to(root)}:{exc.lineno}: syntax error: {exc.msg}")
+            continue
+        seen: set[tuple[int, str]] = set()
+        for line, module in _imported_modules(tree, module_name, is_pkg):
+            if not module.startswith("tests."):
+                continue
+            target = _test_module_of(root, module)
+            if target is not None and (line, target) not in seen:
+                seen.add((line, target))
+                problems.append(
+                    f"{path.relative_to(root)}:{line}: imports the test module {target}; move "
+                    "what tests share into a helper module (tests/<pkg>/_*.py or tests/_dist)"
+                )
     return problems
 
 

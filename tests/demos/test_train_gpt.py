@@ -32,7 +32,12 @@ def body(rank: int, world: int, out_dir: str) -> dict[str, object] | None:
         return None
     text = train_gpt.format_report(report)
     assert "plan vs trace" in text, text
-    return {"plan_vs_trace": report.plan_vs_trace, "evals": report.evals}
+    assert "peak with activations" in text, text
+    return {
+        "plan_vs_trace": report.plan_vs_trace,
+        "evals": report.evals,
+        "peak_vs_plan": report.peak_vs_plan,
+    }
 
 
 def test_demo_plans_traces_and_trains(world2: WorkerPool, tmp_path: Path) -> None:
@@ -41,9 +46,13 @@ def test_demo_plans_traces_and_trains(world2: WorkerPool, tmp_path: Path) -> Non
     r0 = results[0]
     assert r0 is not None
     comparison = r0["plan_vs_trace"]
-    assert isinstance(comparison, dict) and len(comparison) == 3, comparison
+    assert isinstance(comparison, dict) and len(comparison) == 2, comparison
     for label, v in comparison.items():
         assert v["plan"] == v["trace"] > 0, (label, v)
+    # the planner's peak with activations against the measured forward-and-backward peak
+    peak = r0["peak_vs_plan"]
+    assert isinstance(peak, dict)
+    assert abs(peak["plan"] - peak["measured"]) <= 0.05 * peak["measured"], peak
     evals = r0["evals"]
     assert isinstance(evals, list)
     assert evals[-1]["train"] < evals[0]["train"], evals

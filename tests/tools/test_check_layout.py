@@ -121,6 +121,7 @@ def test_range_excluding_sibling_version_fails(tool: ModuleType, tmp_path: Path)
         "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n",
         "import torch.distributed.fsdp\n",
         "from torch.distributed.fsdp._fully_shard._fsdp_api import MixedPrecisionPolicy\n",
+        "from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule\n",
     ],
 )
 def test_torch_fsdp_engine_import_fails(tool: ModuleType, tmp_path: Path, source: str) -> None:
@@ -135,6 +136,85 @@ def test_allowed_torch_imports_pass(tool: ModuleType, tmp_path: Path) -> None:
         # torch's policy dataclasses, accepted by fully_shard and replicate
         "from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP\n"
         "from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy\n"
+        # torch's FSDPModule, the marker base of the classes fully_shard creates
+        "from torch.distributed.fsdp import FSDPModule as TorchFSDPModule\n"
     )
     _write(_repo(tmp_path) / "packages" / "fsdp" / "src" / "shardweave" / "fsdp" / "_z.py", source)
+    assert tool.check(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from tests.fsdp.world_2.test_a import helper\n",
+        "import tests.fsdp.world_2.test_a\n",
+        "from tests.fsdp.world_2 import test_a\n",
+        "from .test_a import helper\n",  # relative, from tests/fsdp/world_2/test_b.py
+        "def body() -> None:\n    from tests.fsdp.world_2.test_a import helper\n",
+        "import importlib\nimportlib.import_module('tests.fsdp.world_2.test_a')\n",
+    ],
+)
+def test_test_module_importing_a_test_module_fails(
+    tool: ModuleType, tmp_path: Path, source: str
+) -> None:
+    world_2 = _repo(tmp_path) / "tests" / "fsdp" / "world_2"
+    _write(world_2 / "test_a.py", "def helper() -> None: ...\n")
+    _write(world_2 / "test_b.py", source)
+    problems = tool.check(tmp_path)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("tests/fsdp/world_2/test_b.py:")
+    assert "imports the test module tests/fsdp/world_2/test_a.py" in problems[0]
+
+
+def test_helper_module_imports_pass(tool: ModuleType, tmp_path: Path) -> None:
+    fsdp = _repo(tmp_path) / "tests" / "fsdp"
+    _write(fsdp / "_helpers.py", "def test_like_name() -> None: ...\n")
+    _write(fsdp / "world_2" / "test_a.py", "from tests.fsdp._helpers import test_like_name\n")
+    _write(fsdp / "world_4" / "test_a.py", "from tests.fsdp import _helpers\nimport tests._dist\n")
+    assert tool.check(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("pkg", "source", "name"),
+    [
+        (
+            "replicate",
+            "from shardweave.fsdp._fsdp_init import a, b\n",
+            "shardweave.fsdp._fsdp_init",
+        ),
+        ("replicate", "import shardweave.fsdp._fully_shard\n", "shardweave.fsdp._fully_shard"),
+        ("replicate", "from shardweave.fsdp import _trace\n", "shardweave.fsdp._trace"),
+        (
+            "replicate",
+            "from shardweave.fsdp import _private_name\n",
+            "shardweave.fsdp._private_name",
+        ),
+        ("fsdp", "from shardweave.mesh._dims import check\n", "shardweave.mesh._dims"),
+        (
+            "fsdp",
+            "from shardweave.mesh.extension_points import _hidden\n",
+            "shardweave.mesh.extension_points._hidden",
+        ),
+    ],
+)
+def test_sibling_private_import_fails(
+    tool: ModuleType, tmp_path: Path, pkg: str, source: str, name: str
+) -> None:
+    _write(_repo(tmp_path) / "packages" / pkg / "src" / "shardweave" / pkg / "_x.py", source)
+    problems = tool.check(tmp_path)
+    assert len(problems) == 1, problems
+    assert f"_x.py:1: imports {name}, private to shardweave-" in problems[0]
+
+
+def test_public_and_own_private_imports_pass(tool: ModuleType, tmp_path: Path) -> None:
+    source = (
+        "from shardweave.fsdp import engine, fully_shard, __version__\n"
+        "from shardweave.fsdp.engine import attach_engine\n"
+        "from shardweave.mesh import check_mesh_argument\n"
+        "from shardweave.replicate._replicate import replicate\n"  # its own private module
+    )
+    _write(
+        _repo(tmp_path) / "packages" / "replicate" / "src" / "shardweave" / "replicate" / "_x.py",
+        source,
+    )
     assert tool.check(tmp_path) == []

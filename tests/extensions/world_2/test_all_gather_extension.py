@@ -19,9 +19,9 @@ from shardweave.extensions.all_gather import all_gather_in_dtype
 from shardweave.fsdp import fully_shard
 from shardweave.mesh.extension_points import ALL_GATHER
 from tests._dist import WorkerPool
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_same_as_torch
-from tests.fsdp.world_2.test_features import count_collectives
 
 
 def low_precision_all_gather(rank: int, world: int) -> None:

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -23,54 +22,18 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
 from tests._dist import WorkerPool, assert_close
+from tests.extensions._tp_models import MLP, Stack, build_tp_stack
 from tests.fsdp._oracle import assert_same_as_torch
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int = 8) -> None:
-        super().__init__()
-        self.in_proj = nn.Linear(dim, 2 * dim)
-        self.out_proj = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.relu(self.in_proj(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(MLP() for _ in range(2))
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = x + b(x)
-        return self.head(x)
-
-
-def _build(api: object, mesh: object, mp: object | None = None) -> nn.Module:
-    torch.manual_seed(0)
-    model = Stack()
-    plan = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], plan)  # type: ignore[index]
-    kwargs = {"mesh": mesh["dp"]}  # type: ignore[index]
-    if mp is not None:
-        kwargs["mp_policy"] = mp
-    for block in model.blocks:
-        api(block, **kwargs)  # type: ignore[operator]
-    api(model, **kwargs)  # type: ignore[operator]
-    return model
 
 
 def fsdp_tp_parity(rank: int, world: int, use_mp: bool) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = _build(
+    model = build_tp_stack(
         fully_shard, mesh, MixedPrecisionPolicy(torch.bfloat16, torch.float32) if use_mp else None
     )
-    tmodel = _build(
+    tmodel = build_tp_stack(
         torch_fully_shard, mesh, TorchMP(torch.bfloat16, torch.float32) if use_mp else None
     )
     torch.manual_seed(0)
@@ -108,7 +71,7 @@ def test_fsdp_tp_parity(world4: WorkerPool, use_mp: bool) -> None:
 
 def fsdp_tp_state_dict(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = _build(fully_shard, mesh)
+    model = build_tp_stack(fully_shard, mesh)
     torch.manual_seed(0)
     ref = Stack()
     sd = model.state_dict()
@@ -120,7 +83,7 @@ def fsdp_tp_state_dict(rank: int, world: int) -> None:
     dist.broadcast_object_list(paths, src=0)
     dcp.save(sd, checkpoint_id=paths[0])
     torch.manual_seed(5)
-    other = _build(fully_shard, mesh)
+    other = build_tp_stack(fully_shard, mesh)
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
@@ -165,7 +128,7 @@ def replicate_tp_parity(rank: int, world: int) -> None:
     from shardweave.replicate import replicate
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model, tmodel = _build(replicate, mesh), _build(torch_replicate, mesh)
+    model, tmodel = build_tp_stack(replicate, mesh), build_tp_stack(torch_replicate, mesh)
     torch.manual_seed(0)
     ref = Stack()
     dp_rank = mesh["dp"].get_local_rank()

@@ -30,7 +30,7 @@ from shardweave.extensions import (
 from shardweave.fsdp import fully_shard, set_full_state_dict
 from shardweave.mesh.extension_points import STATE_DICT, StateDictTransform
 from tests._dist import WorkerPool
-from tests.extensions.world_4.test_fsdp_tp import Stack, _build
+from tests.extensions._tp_models import Stack, build_tp_stack
 
 SHAPES = [(4, 6), (5, 6), (6, 5)]  # even; uneven over dp (rows); uneven over TP on dim 1
 TP_PLACEMENTS: list[Placement] = [Shard(0), Shard(1), Replicate()]
@@ -174,7 +174,7 @@ def test_state_dict_helpers_match_torch(world4: WorkerPool) -> None:
 
 def fsdp_tp_state_dict_flow(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = _build(fully_shard, mesh)
+    model = build_tp_stack(fully_shard, mesh)
     sd = model.state_dict()
     # the oracle for TP-only values: the same model, parallelized but not sharded
     torch.manual_seed(0)
@@ -210,7 +210,7 @@ def fsdp_tp_state_dict_flow(rank: int, world: int) -> None:
         assert isinstance(gathered, DTensor) and torch.equal(gathered.to_local(), want.to_local())
         rechunked[key] = again
     torch.manual_seed(5)
-    other = _build(fully_shard, mesh)
+    other = build_tp_stack(fully_shard, mesh)
     other.load_state_dict(rechunked)
     for key, value in other.state_dict().items():
         assert torch.equal(value.to_local(), sd[key].to_local()), key
@@ -225,7 +225,7 @@ def test_fsdp_tp_state_dict_export_and_rechunk(world4: WorkerPool) -> None:
 
 def load_tp_only_checkpoint(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    want = _build(fully_shard, mesh).state_dict()
+    want = build_tp_stack(fully_shard, mesh).state_dict()
     torch.manual_seed(0)  # the same values, parallelized but not sharded: a TP-only checkpoint
     tp_only = Stack()
     for block in tp_only.blocks:
@@ -235,7 +235,7 @@ def load_tp_only_checkpoint(rank: int, world: int) -> None:
     tp_sd = tp_only.state_dict()
     assert any(isinstance(v, DTensor) for v in tp_sd.values())
     torch.manual_seed(5)
-    model = _build(fully_shard, mesh)
+    model = build_tp_stack(fully_shard, mesh)
     with pytest.raises(TypeError, match="no StateDictTransform is registered"):
         set_full_state_dict(model, tp_sd)
     STATE_DICT.register("dtensor", DTensorStateDictTransform())  # the pool restores it

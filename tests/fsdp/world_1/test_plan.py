@@ -54,13 +54,15 @@ def test_linear_padding_on_four_ranks() -> None:
     assert p.groups[0].padded_shard_numel == 2 * 10 + 2
     assert p.sharded_param_bytes == 22 * F32
     assert p.grad_bytes == 22 * F32
-    # optimizer state follows the real shard: rank 0 holds 2 rows, rank 3 holds 1 row
-    assert p.optimizer_state_bytes == 2 * 22 * F32
-    assert p.ranks["last_shard_rank"] == {
-        "real_shard_numel": 10 + 1,
-        "optimizer_state_bytes": 2 * 11 * F32,
-    }
+    # optimizer state follows the real shard: rank 0 holds 2 rows, rank 3 holds 1 row; plus
+    # Adam's 4-byte ``step`` per parameter
+    assert p.optimizer_state_bytes == 2 * 22 * F32 + 2 * 4
+    last = p.ranks["last_shard_rank"]
+    assert last["real_shard_numel"] == 10 + 1
+    assert last["optimizer_state_bytes"] == 2 * 11 * F32 + 2 * 4
     assert p.peak_gathered_param_bytes == 4 * 22 * F32
+    # communication buffers: at most the reduce-scatter's input and output together
+    assert p.peak_comm_buffer_bytes == 4 * 22 * F32 + 22 * F32
     assert p.unsharded_grad_bytes == 77 * F32  # real size, not padded
     # the root stays gathered after forward: one all-gather per step
     assert p.comm_bytes == {
@@ -70,7 +72,15 @@ def test_linear_padding_on_four_ranks() -> None:
         "total": 8 * 22 * F32,
     }
     assert p.collectives == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0}
-    assert p.peak_tensor_bytes == 22 * F32 * 4 + 4 * 22 * F32 + 77 * F32
+    # sharded params + optimizer state + (gathered params and the all-gather output they are
+    # copied out of, live at once);
+    # sharded grads appear at the end of backward (zero_grad's set_to_none)
+    assert p.peak_tensor_bytes == 22 * F32 + (2 * 22 * F32 + 8) + 2 * 4 * 22 * F32
+    assert p.lines_at_peak["gathered_params"] == p.lines_at_peak["comm_buffers"] == 4 * 22 * F32
+    assert p.ranks["rank0"]["peak_tensor_bytes"] == p.peak_tensor_bytes
+    # with the sharded grads kept between steps they are there all along
+    kept = plan(lambda: nn.Linear(10, 7), mesh=4, optimizer="adamw", set_to_none=False)
+    assert kept.peak_tensor_bytes == p.peak_tensor_bytes + 22 * F32
     assert p.world_size == 4 and p.shard_size == 4 and p.replicate_size == 1
 
 
@@ -107,11 +117,15 @@ def test_hsdp_all_reduce() -> None:
     assert p.collectives["all_reduce"] == 1
     assert p.optimizer_state_bytes == 22 * F32
     assert plan(lambda: nn.Linear(10, 7), mesh=(2, 4)).comm_bytes == p.comm_bytes
-    # shard size 1: nothing is gathered or scattered, but the all-reduce still runs
+    # shard size 1: nothing is gathered or scattered, but the all-reduce still runs; the
+    # unsharded parameters alias the shards, so no gathered bytes at all
     d = plan(lambda: nn.Linear(10, 7), mesh="8x1")
     assert d.collectives == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 1}
     assert d.comm_bytes["all_reduce"] == 77 * F32
-    assert d.peak_gathered_param_bytes == 77 * F32
+    assert d.peak_gathered_param_bytes == 0 and d.groups[0].aliases_shards
+    # ... unless a cast to param_dtype makes a copy (no collective: the cast is the input)
+    e = plan(lambda: nn.Linear(10, 7), mesh="8x1", mp_policy="bf16")
+    assert e.peak_gathered_param_bytes == 77 * BF16 and e.collectives["all_gather"] == 0
 
 
 def _stack_sizes() -> tuple[int, int, int, int]:
@@ -133,8 +147,10 @@ def test_peak_gathered_schedule() -> None:
     p = plan(Stack, mesh=4, wrap=wrap, optimizer="sgd")
     assert [g.key for g in p.groups] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
     assert [g.gathered_bytes for g in p.groups] == [root, b0, b1, b2]
-    # forward: root + one block; backward: root + current + the prefetched previous block
-    assert p.peak_gathered_param_bytes == root + max(b1 + b2, b0 + b1)
+    # gathered parameters (what modules compute with): root + one block at a time; the
+    # prefetched previous block is an all-gather output in flight until its own pre-backward
+    assert p.peak_gathered_param_bytes == root + b1
+    assert p.peak_comm_buffer_bytes >= b1 + max(b0, b2) // 4  # a buffer beside a RS output
     assert p.collectives["all_gather"] == 1 + 2 * 3
     # reshard_after_forward=False: every block stays gathered until its backward
     q = plan(Stack, mesh=4, wrap=wrap, reshard_after_forward=False)
@@ -143,11 +159,17 @@ def test_peak_gathered_schedule() -> None:
     # the root resharded too: it is gathered again in backward
     r = plan(Stack, mesh=4, wrap=wrap, root_reshard_after_forward=True)
     assert r.group("<root>").all_gathers_per_step == 2
-    # explicit prefetch of 2 previous blocks in backward, 1 next block in forward
+    # explicit prefetch of 2 previous blocks in backward, 1 next block in forward: more
+    # buffers in flight, the same gathered parameters
     s = plan(Stack, mesh=4, wrap=wrap, backward_prefetch=2, forward_prefetch=1)
-    assert s.peak_gathered_param_bytes == root + b0 + b1 + b2
+    assert s.peak_gathered_param_bytes == root + b1
+    assert s.peak_comm_buffer_bytes >= b0 + b1
     # tracer-comparable event order: forward then backward, each reshard after its unshard
-    events = [(r.group, r.event) for r in p.timeline if r.event in ("unshard", "reshard")]
+    events = [
+        (r.group, "unshard" if r.event == "all-gather issued" else r.event)
+        for r in p.timeline
+        if r.event in ("all-gather issued", "reshard")
+    ]
     assert events[:7] == [
         ("<root>", "unshard"),
         ("blocks.0", "unshard"),
@@ -266,7 +288,7 @@ def test_cli_writes_json(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "peak gathered params" in proc.stdout
+    assert "gathered params, peak" in proc.stdout
     data = json.loads(out.read_text())
     for key in (
         "sharded_param_bytes",
@@ -307,9 +329,7 @@ def test_llama_70b_on_1024_ranks_is_fast() -> None:
     assert len(p.groups) == 81 and p.largest_group == "<root>"
     block = p.group("layers.0")
     assert block.numel == 855_654_400 and block.all_gathers_per_step == 2
-    assert (
-        p.peak_gathered_param_bytes == p.group("<root>").gathered_bytes + 2 * block.gathered_bytes
-    )
+    assert p.peak_gathered_param_bytes == p.group("<root>").gathered_bytes + block.gathered_bytes
     assert any("tok_embeddings" in s for s in p.suggestions)
 
 
@@ -364,8 +384,8 @@ def engine_bytes(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     opt_bytes = sum(
         _local(t).numel() * _local(t).element_size()
         for st in opt.state.values()
-        for name, t in st.items()
-        if name in ("exp_avg", "exp_avg_sq")
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
     )
     gathered: dict[str, int] = {}
     for m in model.modules():
@@ -418,3 +438,51 @@ def test_matches_engine_allocations(world2: WorkerPool, cfg: dict[str, Any]) -> 
         row = "rank0" if rank == 0 else "last_shard_rank"
         assert got["opt"] == p.ranks[row]["optimizer_state_bytes"]
         assert got["gathered"] == {g.key: g.gathered_bytes for g in p.groups}
+
+
+def test_readme_will_it_fit_example() -> None:
+    """The README's "Will it fit?" figures are this plan's (so the README stays true)."""
+    from demos.llama70b import llama_1b
+    from shardweave.fsdp.plan._report import format_bytes
+
+    p = plan(
+        llama_1b,
+        mesh=8,
+        wrap="TransformerBlock",
+        mp_policy="bf16",
+        sample_input=((4, 2048), torch.long),
+    )
+    assert p.activations is not None
+    readme = (REPO / "README.md").read_text()
+    for figure in (p.activations.peak_bytes, p.activations.peak_activation_bytes):
+        assert f"{format_bytes(figure)}" in readme, format_bytes(figure)
+    assert p.activations.peak_group == "<root>" and p.activations.peak_phase == "forward"
+
+
+def test_shard_placement_fn() -> None:
+    from torch.distributed.tensor import Shard
+
+    # Linear(8, 6).weight is (6, 8): Shard(1) on 4 ranks holds 2 of its 8 columns, no padding
+    p = plan(lambda: nn.Linear(8, 6), mesh=4, shard_placement_fn=lambda q: Shard(q.ndim - 1))
+    assert p.groups[0].padded_shard_numel == 6 * 2 + 2  # the bias (6,) on dim 0: 2 per rank
+    assert p.sharded_param_bytes == 14 * F32
+    # a dim the shard size does not divide is refused, as fully_shard refuses it
+    with pytest.raises(PlanError, match="size 6 on dim 1"):
+        plan(lambda: nn.Linear(6, 8), mesh=4, shard_placement_fn=lambda q: Shard(1))
+    with pytest.raises(PlanError, match="Shard"):
+        plan(lambda: nn.Linear(6, 8), mesh=4, shard_placement_fn=lambda q: "rows")
+
+
+def test_cpu_offload() -> None:
+    """CPUOffloadPolicy: shards, sharded grads and optimizer state are host memory; each
+    all-gather copies the shards to the device first."""
+    p = plan(lambda: nn.Linear(10, 7), mesh=4, optimizer="adamw", offload=True)
+    assert p.host_bytes == 22 * F32 + 22 * F32 + (2 * 22 * F32 + 8)
+    assert not p.groups[0].aliases_shards
+    # the copy-out: the device copy of the shard (kept as the all-gather input through
+    # forward), the all-gather output and the gathered parameters, at once
+    assert p.peak_tensor_bytes == 22 * F32 + 2 * 4 * 22 * F32
+    assert p.lines_at_peak["sharded_params"] == p.lines_at_peak["sharded_grads"] == 0
+    # shard size 1: offloaded shards are not aliased, they are copied to the device
+    one = plan(lambda: nn.Linear(10, 7), mesh="2x1", offload=True)
+    assert one.peak_gathered_param_bytes == 77 * F32 and one.collectives["all_gather"] == 0

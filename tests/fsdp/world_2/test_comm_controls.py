@@ -19,9 +19,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.fsdp import AllGather, FSDPModule, ReduceScatter, fully_shard
 from tests._dist import WorkerPool, assert_close
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_same_as_torch
-from tests.fsdp.world_2.test_features import count_collectives
 
 
 def _train_pair(

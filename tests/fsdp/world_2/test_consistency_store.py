@@ -25,9 +25,8 @@ from shardweave.fsdp._consistency import TIMEOUT_ENV, check_ranks_agree
 from shardweave.mesh import FSDPMeshInfo
 from tests._dist import WorkerPool
 from tests._dist.sync import barrier
-from tests.fsdp._counting import C10dOps
+from tests.fsdp._counting import C10dOps, count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
-from tests.fsdp.world_2.test_features import count_collectives
 
 
 def _first_step(api: Any, accumulate: bool, rank: int) -> dict[str, int]:

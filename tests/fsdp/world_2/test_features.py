@@ -8,14 +8,9 @@ Oracles are named per test: *reference* (unsharded copy on the global batch), *c
 from __future__ import annotations
 
 import copy
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -27,6 +22,7 @@ from shardweave.fsdp import (
     register_fsdp_forward_method,
 )
 from tests._dist import WorkerPool, assert_close
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch, local_chunk
 
@@ -287,42 +283,6 @@ def test_reset_iter_state_on_non_root_raises(world2: WorkerPool) -> None:
 
 
 # --- collective counts and bytes --------------------------------------------------------------
-@contextmanager
-def count_collectives() -> Iterator[Counter[str]]:
-    counts: Counter[str] = Counter()
-    originals = {
-        name: getattr(dist, name)
-        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")
-    }
-
-    # The tensor each call sends: the input of all-gather / reduce-scatter (second
-    # positional, or by keyword), the tensor of all-reduce (first).
-    sent = {
-        "all_gather_single": (1, "input_tensor"),
-        "reduce_scatter_single": (1, "input"),
-        "all_reduce": (0, "tensor"),
-    }
-
-    def wrap(name: str, fn: Any) -> Any:
-        position, keyword = sent[name]
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            tensor = args[position] if len(args) > position else kwargs[keyword]
-            counts[name] += 1
-            counts[f"{name}_bytes"] += tensor.numel() * tensor.element_size()
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
 def collective_counts(rank: int, world: int, reshard: bool | None) -> dict[str, int]:
     model = make_model("gpt")
     shard_blocks(

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import FSDPModule, fully_shard
 from tests._dist import WorkerPool, assert_close
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch
-from tests.fsdp.world_2.test_features import count_collectives
 
 N_MICRO = 3
 MB_ROWS = 2

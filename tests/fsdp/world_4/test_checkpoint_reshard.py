@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from shardweave.fsdp import fully_shard
 from tests._dist import WorkerPool, assert_close, seed_everything
-from tests.extensions.world_4.test_fsdp_tp import Stack
+from tests.extensions._tp_models import Stack
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 
 # ------------------------------------------------------------------------------------ helpers

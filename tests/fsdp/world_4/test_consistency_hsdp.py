@@ -16,9 +16,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.fsdp import FSDPConsistencyError, fully_shard
 from tests._dist import WorkerPool
-from tests.fsdp._counting import C10dOps
+from tests.fsdp._counting import C10dOps, count_collectives
 from tests.fsdp._models import TwoLinear
-from tests.fsdp.world_2.test_features import count_collectives
 
 
 def divergent_hsdp(rank: int, world: int) -> tuple[float, str]:

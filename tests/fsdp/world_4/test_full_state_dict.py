@@ -30,7 +30,7 @@ from shardweave.fsdp import (
 )
 from tests._dist import WorkerPool, seed_everything
 from tests._dist.sync import barrier
-from tests.fsdp.world_2.test_full_state_dict import (
+from tests.fsdp._full_state_dicts import (
     assert_equal_sd,
     assert_same_local_shards,
     check_broadcast_load,
@@ -74,11 +74,11 @@ def test_full_state_dict_hsdp_and_uneven(world4: WorkerPool) -> None:
 
 
 def fsdp_tp(rank: int, world: int) -> None:
-    from tests.extensions.world_4.test_fsdp_tp import Stack, _build
+    from tests.extensions._tp_models import Stack, build_tp_stack
 
     seed_everything(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model, tmodel = _build(fully_shard, mesh), _build(torch_fully_shard, mesh)
+    model, tmodel = build_tp_stack(fully_shard, mesh), build_tp_stack(torch_fully_shard, mesh)
     torch.manual_seed(0)
     ref = Stack()
     full = get_full_state_dict(model, rank0_only=False)

@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from shardweave.fsdp import fully_shard
 from tests._dist import WorkerPool, assert_close
 from tests._dist.sync import barrier
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch
-from tests.fsdp.world_2.test_features import count_collectives
 
 HSDP_PLACEMENTS = (Replicate(), Shard(0))
 # Accumulated microbatches sum in another order than the one-backward reference, on summed (not

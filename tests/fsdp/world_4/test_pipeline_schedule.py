@@ -3,16 +3,11 @@
 Ranks form a ``("pp", "dp")`` 2x2 mesh; each rank builds its stage's submodule, applies
 ``fully_shard`` on the ``dp`` submesh and hands it to a ``PipelineStage`` on the ``pp`` group.
 
-How torch's schedules treat a shardweave module: ``PipelineStage`` recognizes FSDP through
-``isinstance(submod, torch.distributed.fsdp.FSDPModule)``, which our ``FSDPModule`` is not. So
-the stage takes its plain-module path: every microbatch's backward is an ordinary autograd
-backward, our hooks reduce-scatter each microbatch's gradient and accumulate the sharded sums,
-and the stage's end-of-step FSDP handling (``perform_reduce_grad``: manual ``post_backward`` on
-torch's private state) and metadata-inference cleanup (reshard, drop grads) are skipped. Results
-stay right (within fp32 rounding of the per-microbatch reduction) but a step costs one
-reduce-scatter per microbatch and the root's parameters are all-gathered again in backward.
-:class:`ShardweavePipelineStage` below is the small adapter that restores one reduction per step
-(and bitwise parity with torch's fully_shard) through public ``FSDPModule`` knobs only.
+Our modules pass ``isinstance(submod, torch.distributed.fsdp.FSDPModule)`` (torch's class is a
+marker base of theirs) and torch's ``fully_shard.state(submod)`` returns our state, so torch's stage
+and schedules drive them exactly as they drive torch's: no reduction until the last microbatch's
+backward, the stage's end-of-step ``post_backward`` on every group, reshard after metadata
+inference. No adapter: the plain ``PipelineStage``.
 
 Oracles are named per test: *reference* (the unsharded two-stage model on the global batch),
 *compatibility* (torch's ``fully_shard`` under the same schedule) and *closed form* (collective
@@ -22,14 +17,9 @@ counts).
 from __future__ import annotations
 
 import copy
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -40,63 +30,19 @@ from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import FSDPModule, fully_shard
 from tests._dist import WorkerPool, assert_close
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch
 
 N_MICRO = 2
 MB_ROWS = 2
 STEPS = 3
-# Microbatch gradients are summed per rank before (or, without the adapter, after) the
-# reduce-scatter; the reference takes one backward over the global batch: other addition order.
+# Microbatch gradients are summed per rank before the reduce-scatter; the reference takes one
+# backward over the global batch: other addition order.
 ACCUMULATION_TOL: dict[str, float] = {"rtol": 1e-5, "atol": 1e-5}
 SCHEDULES: dict[str, type[ScheduleGPipe] | type[Schedule1F1B]] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
 }
-
-
-class ShardweavePipelineStage(PipelineStage):
-    """A ``PipelineStage`` that drives a shardweave ``FSDPModule`` the way torch's stage drives
-    torch's: gradients accumulate unsharded with no communication until the last microbatch,
-    whose backward reduce-scatters once and reshards.
-
-    Only public ``FSDPModule`` methods are called; the override point is the stage's per-
-    microbatch backward helper, which receives the schedule's ``last_backward`` flag. Covered
-    here for full-backward schedules (GPipe, 1F1B); split input/weight backwards (zero-bubble
-    schedules) are not.
-    """
-
-    def backward_maybe_with_nosync(
-        self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
-    ) -> Any:
-        if isinstance(self.submod, FSDPModule):
-            self.submod.set_is_last_backward(last_backward)
-            self.submod.set_requires_gradient_sync(last_backward)
-            self.submod.set_reshard_after_backward(last_backward)
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-
-
-@contextmanager
-def count_collectives() -> Iterator[Counter[str]]:
-    """Count FSDP's collectives by name. Unlike world_2's byte-counting helper, this one accepts
-    keyword arguments, which torch's FSDP passes to ``reduce_scatter_single``."""
-    counts: Counter[str] = Counter()
-    names = ("all_gather_single", "reduce_scatter_single", "all_reduce")
-    originals = {name: getattr(dist, name) for name in names}
-
-    def wrap(name: str, fn: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def make_stages(seed: int = 0) -> list[nn.Module]:
@@ -139,22 +85,20 @@ def pipeline_parity(rank: int, world: int, schedule: str) -> dict[str, dict[str,
     dp_size, n_stages = mesh["dp"].size(), mesh["pp"].size()
     is_last = pp == n_stages - 1
     ref = nn.Sequential(*make_stages())
-    variants = {  # name: (fully_shard, stage class)
-        "ours+adapter": (fully_shard, ShardweavePipelineStage),
-        "ours": (fully_shard, PipelineStage),
-        "torch": (torch_fully_shard, PipelineStage),
-    }
+    variants = {"ours": fully_shard, "torch": torch_fully_shard}
     stages, scheds, opts = {}, {}, {}
-    for name, (apply, stage_cls) in variants.items():
+    for name, apply in variants.items():
         submod = copy.deepcopy(ref[pp])
         apply(submod, mesh=mesh["dp"])
         stages[name] = submod
-        stage = stage_cls(submod, pp, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        stage = PipelineStage(
+            submod, pp, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()
+        )
         scheds[name] = SCHEDULES[schedule](stage, n_microbatches=N_MICRO, loss_fn=mse)
         opts[name] = torch.optim.AdamW(submod.parameters(), lr=1e-2, weight_decay=0.1)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    # why the adapter exists: pipelining's FSDP branches test for torch's class
-    assert not isinstance(stages["ours"], TorchFSDPModule)
+    # pipelining's FSDP branches test for torch's class; ours passes as a marker
+    assert isinstance(stages["ours"], TorchFSDPModule) and isinstance(stages["ours"], FSDPModule)
     assert isinstance(stages["torch"], TorchFSDPModule)
 
     counts_by_variant: dict[str, dict[str, int]] = {}
@@ -175,16 +119,15 @@ def pipeline_parity(rank: int, world: int, schedule: str) -> dict[str, dict[str,
                 step_losses[name] = torch.stack(losses)
         tag = f"{schedule} step {step} pp {pp} dp {dp}"
         if is_last:
-            assert torch.equal(step_losses["ours+adapter"], step_losses["torch"]), tag
-            for name in ("ours+adapter", "ours"):
-                assert_close(step_losses[name], ref_losses, msg=f"{tag} {name} losses vs reference")
+            assert torch.equal(step_losses["ours"], step_losses["torch"]), tag
+            assert_close(step_losses["ours"], ref_losses, msg=f"{tag} losses vs reference")
         for name, submod in stages.items():
             assert_matches_reference(
                 submod, ref[pp], "grad", dp, dp_size, f"{tag} {name}", **ACCUMULATION_TOL
             )
             for p in submod.parameters():  # resharded after the step, grads sharded too
                 assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), f"{tag} {name}"
-        assert_same_as_torch(stages["ours+adapter"], stages["torch"], f"{tag} adapter")
+        assert_same_as_torch(stages["ours"], stages["torch"], tag)
         for opt in (*opts.values(), ropt):
             opt.step()
             opt.zero_grad()
@@ -192,27 +135,21 @@ def pipeline_parity(rank: int, world: int, schedule: str) -> dict[str, dict[str,
             assert_matches_reference(
                 submod, ref[pp], "param", dp, dp_size, f"{tag} {name}", **ACCUMULATION_TOL
             )
-        assert_same_as_torch(stages["ours+adapter"], stages["torch"], f"{tag} adapter")
+        assert_same_as_torch(stages["ours"], stages["torch"], tag)
 
-    # one group per stage: the adapter and torch reduce once per step, the plain path per microbatch
-    adapter, plain, theirs = (counts_by_variant[k] for k in ("ours+adapter", "ours", "torch"))
-    assert adapter["reduce_scatter_single"] == theirs["reduce_scatter_single"] == 1, (
-        counts_by_variant
-    )
-    assert plain["reduce_scatter_single"] == N_MICRO, plain
-    assert adapter["all_gather_single"] == theirs["all_gather_single"] == 1, counts_by_variant
-    # plain: one all-gather for the forwards, one more after the first backward resharded
-    assert plain["all_gather_single"] == 2, plain
-    assert not any(c.get("all_reduce", 0) for c in counts_by_variant.values()), counts_by_variant
+    # one group per stage: one reduce-scatter and one all-gather per step, as torch
+    assert counts_by_variant["ours"] == counts_by_variant["torch"], counts_by_variant
+    assert counts_by_variant["ours"]["reduce_scatter_single"] == 1, counts_by_variant
+    assert counts_by_variant["ours"]["all_gather_single"] == 1, counts_by_variant
+    assert "all_reduce" not in counts_by_variant["ours"], counts_by_variant
     return counts_by_variant
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_pipeline_schedule_parity(world4: WorkerPool, schedule: str) -> None:
     """Oracles: reference (the unsharded two-stage model on the global batch: per-microbatch
-    losses, grads and params after 3 AdamW steps within fp32 tolerance, with and without the
-    adapter), compatibility (torch's fully_shard under the same PipelineStage and schedule:
-    bitwise losses, shards and grads when our stage uses the ShardweavePipelineStage adapter)
-    and closed form (per step: one reduce-scatter and one all-gather per group with the adapter,
-    as torch; one reduce-scatter per microbatch and a second all-gather without it)."""
+    losses, grads and params after 3 AdamW steps within fp32 tolerance), compatibility (torch's
+    fully_shard under the same plain PipelineStage and schedule: bitwise losses, shards and
+    grads, the same collectives) and closed form (per step: one reduce-scatter and one
+    all-gather per group)."""
     world4.run(pipeline_parity, schedule)

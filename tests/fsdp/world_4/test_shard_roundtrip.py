@@ -1,10 +1,10 @@
-"""The shard round-trip properties of ``tests/fsdp/world_2/test_shard_roundtrip.py`` at 4 ranks,
+"""The shard round-trip properties of ``tests/fsdp/_shard_roundtrip.py`` at 4 ranks,
 where more shapes leave ranks with empty or padded shards."""
 
 from __future__ import annotations
 
 from tests._dist import WorkerPool
-from tests.fsdp.world_2.test_shard_roundtrip import run_roundtrip
+from tests.fsdp._shard_roundtrip import run_roundtrip
 
 
 def test_shard_roundtrip_world4(world4: WorkerPool) -> None:

@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shardweave.fsdp import fully_shard, trace
 from tests._dist import WorkerPool
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
-from tests.fsdp.world_2.test_features import count_collectives
 
 
 def hsdp_counts(rank: int, world: int) -> None:

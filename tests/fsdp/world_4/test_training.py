@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests._dist import WorkerPool
-from tests.fsdp.world_2.test_training import train_parity
+from tests.fsdp._training import train_parity
 
 CONFIGS: list[dict[str, Any]] = [
     {"kind": "mlp", "optim": "adamw"},

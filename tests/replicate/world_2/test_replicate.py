@@ -83,7 +83,7 @@ def test_replicate_parity(world2: WorkerPool, micro: int) -> None:
 
 def collectives_per_step(rank: int, world: int) -> None:
     from shardweave.fsdp._grad_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
-    from tests.fsdp.world_2.test_features import count_collectives
+    from tests.fsdp._counting import count_collectives
 
     model = make_model("gpt")
     _per_block(model, replicate)

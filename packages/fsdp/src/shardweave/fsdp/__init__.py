@@ -34,14 +34,8 @@ from shardweave.fsdp._fully_shard import (
     share_comm_ctx,
 )
 from shardweave.fsdp._safetensors import load_safetensors, save_safetensors
-from shardweave.fsdp._trace import (
-    CollectiveRecord,
-    FSDPTracer,
-    MemoryRecord,
-    SpanRecord,
-    StepRecord,
-    trace,
-)
+from shardweave.fsdp._trace import CollectiveRecord, MemoryRecord, SpanRecord, StepRecord
+from shardweave.fsdp._trace_report import FSDPTracer, trace
 from shardweave.fsdp._version import __version__
 from shardweave.fsdp._watchdog import set_stall_timeout
 from shardweave.mesh import DataParallelMeshDims

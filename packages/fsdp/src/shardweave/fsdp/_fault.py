@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from shardweave.fsdp._consistency import FSDPConsistencyError
+from shardweave.fsdp._fsdp_common import COLLECTIVE_KINDS
 
 __all__ = [
     "CHECK_ENV",
@@ -58,8 +59,8 @@ __all__ = [
 CHECK_ENV = "SHARDWEAVE_CHECK_COLLECTIVES"
 POLL_INTERVAL = datetime.timedelta(seconds=0.5)
 _PREFIX = "shardweave/fault"
-# Signature layout: step, sequence number, group hash, kind, numel, dtype.
-_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# Signature layout: step, sequence number, group hash, kind (index in COLLECTIVE_KINDS), numel,
+# dtype.
 _SIG_LEN = 6
 
 
@@ -415,7 +416,7 @@ def _hash(name: str) -> int:
 def _describe(sig: list[int]) -> str:
     step, seq, group, kind, numel, dtype = sig
     name = _STATE.names.get(group, f"<unknown group {group:#x}>")
-    kind_name = _KINDS[kind] if 0 <= kind < len(_KINDS) else f"kind {kind}"
+    kind_name = COLLECTIVE_KINDS[kind] if 0 <= kind < len(COLLECTIVE_KINDS) else f"kind {kind}"
     return (
         f"{kind_name} of group '{name}' (step {step}, collective #{seq}, {numel} elements of "
         f"{_DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else dtype})"
@@ -452,7 +453,7 @@ def check_collective(
     gid = _hash(name)
     _STATE.names[gid] = name
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    sig = [_STATE.step, seq, gid, _KINDS.index(kind), numel, dtype_code]
+    sig = [_STATE.step, seq, gid, COLLECTIVE_KINDS.index(kind), numel, dtype_code]
     mine = _describe(sig)
     store = _store()
     if store is not None:

@@ -5,9 +5,11 @@ Design note: tensor vocabulary
     steps. *padded*: a shard extended with zeros on dim 0 so every rank holds the same numel
     (torch.chunk semantics leave trailing ranks short or empty). *unsharded*: the full
     parameter, rebuilt from the all-gather output for forward and backward. *all-gather input*:
-    the padded shards of one group laid end to end; *all-gather output*: every rank's input,
-    rank-major. *reduce-scatter input*: the unsharded gradients chunked per rank, rank-major;
-    its *output* is this rank's padded gradient shards laid end to end.
+    the padded shards of one group laid end to end (a parameter with an all-gather extension,
+    torch's ``fsdp_pre_all_gather`` or an ``ALL_GATHER`` plugin, contributes the tensors its
+    pre-all-gather returns instead, several of mixed dtypes if it likes); *all-gather output*:
+    every rank's input, rank-major. *reduce-scatter input*: the unsharded gradients chunked per
+    rank, rank-major; its *output* is this rank's padded gradient shards laid end to end.
 
 Design note: hooks run eagerly
     Every callable the engine hands to torch (forward pre/post hooks, the pre-backward tensor
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from enum import Enum, auto
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, Final, ParamSpec, TypeVar, cast
 
 import torch
 from torch.distributed.tensor import Shard
@@ -34,6 +36,7 @@ from torch.distributed.tensor import Shard
 from shardweave.mesh import FSDPMeshInfo
 
 __all__ = [
+    "COLLECTIVE_KINDS",
     "ShardPlacementResult",
     "ShardedState",
     "TrainingState",
@@ -41,11 +44,14 @@ __all__ = [
     "cast_floating",
     "chunk_with_empty",
     "collect_grad_tensors",
-    "dim_chunked_size",
     "in_backward",
     "replace_grad_tensors",
     "run_eagerly",
 ]
+
+# The collectives the engine issues, by the names the tracer reports; the fault checker's
+# signatures carry a kind as its index here, so every rank must see the same order.
+COLLECTIVE_KINDS: Final = ("all_gather", "reduce_scatter", "all_reduce")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -112,13 +118,6 @@ def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[to
     while len(chunks) < num_chunks:
         chunks.append(chunks[0].new_empty(0))
     return chunks
-
-
-def dim_chunked_size(chunk: torch.Tensor, full_size: torch.Size, dim: int) -> torch.Size:
-    """The chunk's size, keeping the other dims when the chunk is empty (DTensor needs them)."""
-    if chunk.numel() > 0:
-        return chunk.size()
-    return torch.Size([*full_size[:dim], 0, *full_size[dim + 1 :]])
 
 
 def cast_floating(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardweave.fsdp._fsdp_common import ShardPlacementResult
 from shardweave.fsdp._fsdp_state import get_fsdp_state
-from shardweave.mesh import FSDPMeshInfo, HSDPMeshInfo
-from shardweave.mesh._dims import ArgumentTypeError
+from shardweave.fsdp._torch_interop import managed_by_torch
+from shardweave.mesh import ArgumentTypeError, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = [
     "managed_modules",
@@ -48,6 +48,7 @@ def module_arguments(module: object, api: str) -> tuple[nn.Module, ...]:
     """The modules of ``api``'s ``module`` argument (one module, or a list or tuple of them)."""
     if isinstance(module, nn.Module):
         validate_module(module, api)
+        _reject_torch_managed(module, api)
         return (module,)
     if isinstance(module, (str, bytes, torch.Tensor)) or not isinstance(module, Iterable):
         raise ArgumentTypeError(
@@ -62,7 +63,18 @@ def module_arguments(module: object, api: str) -> tuple[nn.Module, ...]:
                 f"{api}: module[{i}] is a {type(m).__name__} ({m!r:.80}), not an nn.Module; "
                 "pass a list of nn.Modules that form one group"
             )
+        _reject_torch_managed(m, api)
     return modules
+
+
+def _reject_torch_managed(module: nn.Module, api: str) -> None:
+    # Checked before anything moves: the class swap would fail later with an MRO TypeError.
+    if managed_by_torch(module):
+        raise AssertionError(
+            "Each distinct composable distributed API can only be applied to a module once. "
+            f"torch's own fully_shard or replicate already manages {type(module).__name__}, so "
+            f"shardweave's {api} cannot: use one engine for the whole model"
+        )
 
 
 def validate_ignored_params(ignored_params: object, api: str) -> set[nn.Parameter]:

@@ -15,11 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
-from shardweave.fsdp._fsdp_common import (
-    ShardedState,
-    chunk_with_empty,
-    dim_chunked_size,
-)
+from shardweave.fsdp._fsdp_common import ShardedState, chunk_with_empty
+from shardweave.fsdp._sharding_rules import padded_shard_size, resolve_dtypes, shard_size
 from shardweave.mesh import FSDPMeshInfo, HSDPMeshInfo
 from shardweave.mesh.extension_points import (
     ALL_GATHER,
@@ -218,8 +215,9 @@ class FSDPParam:
         self.orig_size = data.size()  # what is gathered: the TP-local size for a DTensor
         self.orig_dtype = param.dtype
         chunks = chunk_with_empty(data.detach(), world, shard_dim)
-        self.sharded_size = dim_chunked_size(chunks[rank], data.size(), shard_dim)
-        self.padded_sharded_size = chunks[0].size()  # chunk 0 is always the largest
+        # The sizes come from the rules the planner predicts with (_sharding_rules).
+        self.sharded_size = shard_size(data.size(), world, rank, shard_dim)
+        self.padded_sharded_size = padded_shard_size(data.size(), world, shard_dim)
         self.padded_sharded_numel = self.padded_sharded_size.numel()
         self.sharded_numel = self.sharded_size.numel()
         padded = data.new_zeros(self.padded_sharded_size, device=data.device)
@@ -263,12 +261,9 @@ class FSDPParam:
         """Resolve compute/reduce dtypes from the *current* sharded dtype (casts are allowed
         between ``fully_shard`` and the first forward)."""
         self.orig_dtype = self.sharded_param.dtype
-        param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
-        if reduce_dtype == param_dtype:
-            reduce_dtype = None  # the gradient already arrives in that dtype
-        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
-            param_dtype = None
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.param_dtype, self.reduce_dtype = resolve_dtypes(
+            self.orig_dtype, mp_policy.param_dtype, mp_policy.reduce_dtype
+        )
 
     @property
     def unsharded_dtype(self) -> torch.dtype:

@@ -467,7 +467,15 @@ class FSDPParamGroup:
 
     # --- unshard / reshard --------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
-        """Issue this group's all-gather (no-op if unsharded or already in flight)."""
+        """Issue this group's all-gather (no-op if unsharded or already in flight).
+
+        Never waits, whatever ``async_op`` says: the all-gather stays in flight until
+        ``wait_for_unshard`` (``FSDPModule.unshard`` calls it at once unless ``async_op``).
+        ``async_op`` only picks where it runs and how it is waited for: ``False`` in forward
+        or pre-backward uses the all-gather side streams; ``True`` (or outside those states)
+        uses the caller's current stream, and keeps the ``Work`` for a host-side wait on
+        accelerators as well, as torch's ``unshard(async_op=True)`` does.
+        """
         if self._all_gather_result is not None or self.is_unsharded:
             return
         if not self._lazy_inited:

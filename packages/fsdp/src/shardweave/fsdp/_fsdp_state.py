@@ -60,10 +60,11 @@ class FSDPState:
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
+        *,
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         mesh_info: DataParallelMeshInfo,
-        auto_reshard_after_forward: bool,
+        auto_reshard_after_forward: bool = False,
     ) -> None:
         self._modules = modules
         self._device = device
@@ -442,7 +443,6 @@ class FSDPState:
                 for state in ctx.all_states:
                     for group in state._fsdp_param_groups:
                         group.finalize_backward()
-            if ctx.is_last_backward:
                 self._comm_ctx.post_forward_order.clear()
         finally:
             ctx.post_backward_final_callback_queued = False

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardweave.fsdp import _fault
+from shardweave.fsdp import _fault, _fsdp_init
 from shardweave.fsdp._fsdp_api import (
     AllGather,
     CPUOffloadPolicy,
@@ -37,6 +37,7 @@ from shardweave.fsdp._fsdp_init import (
 )
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
+from shardweave.fsdp._torch_interop import expose_state_to_torch, torch_marker_bases
 from shardweave.mesh import (
     DataParallelMeshDims,
     DataParallelMeshInfo,
@@ -211,24 +212,30 @@ def _fully_shard(
             placements = list(resolve_shard_placements(params, shard_placement_fn, mesh_info))
         return build_groups(
             params,
-            placements,
-            roots,
-            mesh_info,
-            post_info,
-            reshard_after_forward,
-            device,
-            mp_policy,
-            offload_policy,
+            placements=placements,
+            roots=roots,
+            mesh_info=mesh_info,
+            post_forward_mesh_info=post_info,
+            reshard_after_forward=reshard_after_forward,
+            device=device,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
         )
 
     attach_engine(
         modules,
-        ignored_params,
-        device,
-        lambda roots: FSDPState(roots, device, mp_policy, mesh_info, auto_reshard),
-        make_groups,
-        FSDPModule,
-        "FSDP",
+        ignored_params=ignored_params,
+        device=device,
+        make_state=lambda roots: FSDPState(
+            roots,
+            device=device,
+            mp_policy=mp_policy,
+            mesh_info=mesh_info,
+            auto_reshard_after_forward=auto_reshard,
+        ),
+        make_groups=make_groups,
+        module_cls=FSDPModule,
+        class_prefix="FSDP",
         mark_managed=True,
     )
     if isinstance(module, nn.Module):
@@ -258,23 +265,25 @@ fully_shard: Final[FullyShardFn] = cast(FullyShardFn, with_state(_fully_shard, "
 
 def attach_engine(
     modules: tuple[nn.Module, ...],
+    *,
     ignored_params: set[nn.Parameter] | None,
     device: torch.device,
     make_state: Callable[[tuple[nn.Module, ...]], FSDPState],
     make_groups: Callable[[list[nn.Parameter], tuple[nn.Module, ...]], list[FSDPParamGroup]],
     module_cls: type,
-    prefix: str,
-    *,
+    class_prefix: str,
     mark_managed: bool,
 ) -> None:
     """What ``fully_shard`` and ``replicate`` share once their arguments are checked.
 
     Collects the parameters and buffers of ``modules`` that no inner call manages (less the
-    ignored ones), moves them to ``device``, attaches the state with its groups (detached
-    again if building a group fails, so a failed call leaves the modules as they were) and
-    swaps each root's class to one that also derives from ``module_cls``. ``mark_managed``
-    sets the two attributes torch's ``fully_shard`` puts on managed modules (its ``replicate``
-    does not).
+    ignored ones), moves them to ``device``, attaches ``make_state(roots)`` with
+    ``make_groups(params, roots)`` (detached again if building a group fails, so a failed call
+    leaves the modules as they were) and swaps each root's class to
+    ``<class_prefix><its class>``, which also derives from ``module_cls``. ``mark_managed`` sets
+    the two attributes torch's ``fully_shard`` puts on managed modules (its ``replicate`` does
+    not). Published as ``shardweave.fsdp.engine.attach_engine``: its signature is under that
+    module's promise.
     """
     ignored = set(ignored_params or ())
     roots = root_modules(modules)
@@ -292,7 +301,8 @@ def attach_engine(
             m._is_fsdp_managed_module = True  # type: ignore[assignment]
             m._fsdp_use_orig_params = True  # type: ignore[assignment]
     for root in roots:
-        swap_class(root, module_cls, prefix)
+        expose_state_to_torch(root, state)
+        swap_class(root, module_cls, class_prefix)
 
 
 def resolve_policies(
@@ -351,16 +361,24 @@ def root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
 
 def build_groups(
     params: list[nn.Parameter],
+    *,
     placements: list[tuple[Any, DataParallelMeshInfo]],
     roots: tuple[nn.Module, ...],
     mesh_info: DataParallelMeshInfo,
-    post_info: FSDPMeshInfo | None,
+    post_forward_mesh_info: FSDPMeshInfo | None,
     reshard_after_forward: bool | int | None,
     device: torch.device,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
 ) -> list[FSDPParamGroup]:
-    """One group per distinct mesh (``shard_placement_fn`` may move parameters to another)."""
+    """The parameter groups of one call: one per distinct mesh among ``placements`` (each
+    parameter's ``(Shard placement or None, mesh info)``, in ``params`` order), since
+    ``shard_placement_fn`` may move parameters to another mesh.
+
+    ``post_forward_mesh_info`` is where ``mesh_info``'s parameters reshard to after forward
+    (None: fully); ``reshard_after_forward`` derives it for the other meshes. Published as
+    ``shardweave.fsdp.engine.build_groups``: its signature is under that module's promise.
+    """
     if not params:
         return []
     by_key: dict[tuple[Any, Any], tuple[DataParallelMeshInfo, list[int]]] = {}
@@ -378,9 +396,10 @@ def build_groups(
     groups: list[FSDPParamGroup] = []
     for info, indices in by_key.values():
         group_post = (
-            post_info
+            post_forward_mesh_info
             if info is mesh_info or not isinstance(info, FSDPMeshInfo)
-            else post_forward_mesh_info(
+            # the module's function: the argument of the same name shadows it here
+            else _fsdp_init.post_forward_mesh_info(
                 True if reshard_after_forward is None else reshard_after_forward, info
             )
         )
@@ -410,11 +429,14 @@ def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
 
 
 def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
+    """Make ``module`` an instance of ``FSDP<Its class>``: ``mixin`` first, so its methods win,
+    then torch's ``FSDPModule`` as a marker (see _torch_interop), then the module's own class."""
     cls = type(module)
     key = (cls, mixin)
     new_cls = _CLASS_CACHE.get(key)
     if new_cls is None:
-        new_cls = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__deepcopy__": _no_deepcopy})
+        bases = (mixin, *torch_marker_bases(), cls)
+        new_cls = type(f"{prefix}{cls.__name__}", bases, {"__deepcopy__": _no_deepcopy})
         _CLASS_CACHE[key] = new_cls
     module.__class__ = new_cls
 
@@ -447,7 +469,9 @@ class UnshardHandle:
 
 
 class FSDPModule:
-    """Mixed into every module ``fully_shard`` was applied to (placed first in its MRO).
+    """Mixed into every module ``fully_shard`` was applied to (placed first in its MRO; torch's
+    public ``FSDPModule`` follows as a marker, so torch's and frameworks' ``isinstance`` checks
+    hold and every method they reach is one of these).
 
     Its methods tune communication and memory per module, e.g. skipping gradient
     synchronization while accumulating saves a reduce-scatter per microbatch but keeps the
@@ -467,7 +491,10 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers rebuild themselves with type(self)(...) (e.g. nn.Sequential slicing); that
         # must produce a plain module, not one that looks sharded but has no state.
-        orig = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        # The first nn.Module class that is not ours: torch's marker base is not an nn.Module.
+        orig = next(
+            c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
+        )
         return orig(*args, **kwargs)
 
     def _get_fsdp_state(self) -> FSDPState:

@@ -1,4 +1,6 @@
-"""The FSDP tracer: what the engine gathers, reduces, copies and keeps alive, per step and group.
+"""The FSDP tracer's recording half: what the engine gathers, reduces, copies and keeps alive,
+per step and group, as records. Engine code calls only this module; the reports (summary,
+table, Chrome trace, memory plot) are ``_trace_report``'s ``FSDPTracer``.
 
 Design note: tracing hooks
     Each instrumentation point in the engine reads ``if _trace.ACTIVE is not None:`` and only
@@ -52,14 +54,11 @@ Design note: traced quantities
 
 from __future__ import annotations
 
-import importlib
-import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Final, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -70,22 +69,20 @@ if TYPE_CHECKING:
 __all__ = [
     "ACTIVE",
     "CollectiveRecord",
-    "FSDPTracer",
     "MemoryRecord",
     "SpanRecord",
     "StepRecord",
-    "trace",
+    "TraceRecorder",
 ]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_Recorder = TypeVar("_Recorder", bound="TraceRecorder")
 
 # The tracer the engine reports to; see Design note: tracing hooks.
-ACTIVE: FSDPTracer | None = None
+ACTIVE: TraceRecorder | None = None
 
-COLLECTIVE_KINDS: Final = ("all_gather", "reduce_scatter", "all_reduce")
 HOOK_NAMES: Final = ("pre_forward", "post_forward", "pre_backward", "post_backward")
-_PLOT_INSTALL: Final = "pip install 'shardweave-fsdp[plot]'"
 
 
 @dataclass(slots=True)
@@ -217,25 +214,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class FSDPTracer:
-    """Records what ``fully_shard`` modules communicate, copy and keep gathered.
-
-    Use it as a context manager (or ``start()`` / ``stop()``) around training steps, and call
-    ``step()`` after each optimizer step to delimit steps. Only this process is traced: each
-    rank records its own trace (``pid`` = rank in the Chrome export). See the module's Design
-    note: traced quantities for what every number means.
-
-    Example::
-
-        with trace() as tracer:
-            for batch in batches:
-                model(batch).sum().backward()
-                optim.step()
-                optim.zero_grad()
-                tracer.step()
-        tracer.export_chrome_trace("trace-rank{rank}.json")
-        print(tracer.summary_table())
-    """
+class TraceRecorder:
+    """The records of one trace and the instrumentation points the engine calls while it is
+    ``ACTIVE`` (see Design note: tracing hooks). Users get the subclass ``FSDPTracer``
+    (``_trace_report``), which adds the reports."""
 
     def __init__(self) -> None:
         initialized = dist.is_available() and dist.is_initialized()
@@ -258,7 +240,7 @@ class FSDPTracer:
         self._running = False
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> FSDPTracer:
+    def start(self: _Recorder) -> _Recorder:
         global ACTIVE
         if ACTIVE is not None:
             raise RuntimeError(
@@ -288,7 +270,7 @@ class FSDPTracer:
         if len(self.steps) > 1 and last not in steps_seen:
             self.steps.pop()  # the empty step opened by a final step() call
 
-    def __enter__(self) -> FSDPTracer:
+    def __enter__(self: _Recorder) -> _Recorder:
         return self.start()
 
     def __exit__(
@@ -453,401 +435,3 @@ class FSDPTracer:
             cached = (pg, tuple(dist.get_process_group_ranks(pg)))
             self._ranks[id(pg)] = cached  # holding pg keeps its id from being reused
         return cached[1]
-
-    # --- analysis -----------------------------------------------------------------------------
-    def gathered_bytes_timeline(self) -> list[tuple[int, int]]:
-        """``(t_ns, gathered bytes alive)`` after each change, starting at ``(0, 0)``."""
-        return [(0, 0), *((r.t_ns, r.gathered_bytes) for r in self.memory)]
-
-    def grad_bytes_timeline(self) -> list[tuple[int, int]]:
-        """``(t_ns, unsharded gradient bytes alive)`` after each change, starting at ``(0, 0)``."""
-        return [(0, 0), *((r.t_ns, r.grad_bytes) for r in self.memory)]
-
-    def summary(self) -> dict[str, Any]:
-        """Per-group counts, bytes and times, over all steps (``total``) and per step.
-
-        Returns a JSON-serializable dict::
-
-            {"rank", "world_size", "num_steps",
-             "total": {...}, "steps": [{...}, ...]}   # each {...} as below
-            {"groups": {key: {"unshard": n, "reshard": n,
-                              "all_gather" | "reduce_scatter" | "all_reduce":
-                                  {"count", "bytes", "time_ms", "exposed_ms", "unwaited"},
-                              "copy_in_ms", "copy_out_ms", "unshard_ms",
-                              "hooks": {name: {"count", "wall_ms", "cpu_ms"}},
-                              "peak_gathered_bytes"}},
-             "collectives": {kind: {"count", "bytes"}},
-             "peak_gathered_bytes", "peak_grad_bytes",
-             "end_gathered_bytes", "end_grad_bytes"}
-
-        Times are summed over records; a collective never waited counts in ``count`` and
-        ``bytes`` and in ``unwaited``, not in the times.
-        """
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "num_steps": self.num_steps,
-            "total": self._summarize(None),
-            "steps": [self._summarize(s.index) for s in self.steps],
-        }
-
-    def _summarize(self, step: int | None) -> dict[str, Any]:
-        groups: dict[str, dict[str, Any]] = {}
-
-        def entry(key: str) -> dict[str, Any]:
-            if key not in groups:
-                groups[key] = {
-                    "unshard": 0,
-                    "reshard": 0,
-                    **{
-                        k: {
-                            "count": 0,
-                            "bytes": 0,
-                            "time_ms": 0.0,
-                            "exposed_ms": 0.0,
-                            "unwaited": 0,
-                        }
-                        for k in COLLECTIVE_KINDS
-                    },
-                    "copy_in_ms": 0.0,
-                    "copy_out_ms": 0.0,
-                    "unshard_ms": 0.0,
-                    "hooks": {},
-                    "peak_gathered_bytes": 0,
-                }
-            return groups[key]
-
-        def mine(record_step: int) -> bool:
-            return step is None or record_step == step
-
-        totals = {k: {"count": 0, "bytes": 0} for k in COLLECTIVE_KINDS}
-        for c in self.collectives:
-            if not mine(c.step):
-                continue
-            stats = entry(c.group)[c.kind]
-            stats["count"] += 1
-            stats["bytes"] += c.nbytes
-            totals[c.kind]["count"] += 1
-            totals[c.kind]["bytes"] += c.nbytes
-            if c.duration_ns is None:
-                stats["unwaited"] += 1
-            else:
-                stats["time_ms"] += c.duration_ns / 1e6
-                stats["exposed_ms"] += (c.exposed_ns or 0) / 1e6
-        for s in self.spans:
-            if not mine(s.step):
-                continue
-            g = entry(s.group)
-            ms = (s.end_ns - s.begin_ns) / 1e6
-            if s.category == "hook":
-                hook = g["hooks"].setdefault(s.name, {"count": 0, "wall_ms": 0.0, "cpu_ms": 0.0})
-                hook["count"] += 1
-                hook["wall_ms"] += ms
-                hook["cpu_ms"] += (s.cpu_ns or 0) / 1e6
-            elif s.category in ("copy_in", "copy_out", "unshard"):
-                g[f"{s.category}_ms"] += ms
-        # Replay the counters up to the end of the step; the level carried into the step
-        # counts toward its peaks.
-        live: dict[str, int] = {}
-        gathered = grads = peak_gathered = peak_grads = 0
-        carried = step is None
-
-        def carry_in() -> None:
-            nonlocal peak_gathered, peak_grads
-            peak_gathered, peak_grads = gathered, grads
-            for key, nbytes in live.items():
-                if nbytes:
-                    entry(key)["peak_gathered_bytes"] = nbytes
-
-        for r in self.memory:
-            if step is not None and r.step > step:
-                break
-            in_step = mine(r.step)
-            if in_step and not carried:
-                carry_in()
-                carried = True
-            if r.event in ("unshard", "reshard", "discard"):
-                live[r.group] = live.get(r.group, 0) + r.delta
-            gathered, grads = r.gathered_bytes, r.grad_bytes
-            if in_step:
-                g = entry(r.group)
-                if r.event in ("unshard", "reshard"):
-                    g[r.event] += 1
-                g["peak_gathered_bytes"] = max(g["peak_gathered_bytes"], live.get(r.group, 0))
-                peak_gathered = max(peak_gathered, gathered)
-                peak_grads = max(peak_grads, grads)
-        if not carried:
-            carry_in()
-        return {
-            "groups": groups,
-            "collectives": totals,
-            "peak_gathered_bytes": peak_gathered,
-            "peak_grad_bytes": peak_grads,
-            "end_gathered_bytes": gathered,
-            "end_grad_bytes": grads,
-        }
-
-    def summary_table(self, step: int | None = None) -> str:
-        """``summary()`` as a text table, over all steps or for one."""
-        data = self._summarize(step)
-        header = (
-            "group",
-            "unshard",
-            "AG n",
-            "AG bytes",
-            "AG ms (exposed)",
-            "RS n",
-            "RS bytes",
-            "RS ms",
-            "AR n",
-            "AR bytes",
-            "AR ms",
-            "copy-in ms",
-            "copy-out ms",
-            "hooks ms",
-            "peak gathered",
-        )
-        rows = [header]
-        for key, g in data["groups"].items():
-            ag, rs, ar = (g[k] for k in COLLECTIVE_KINDS)
-            hooks = sum(h["wall_ms"] for h in g["hooks"].values())
-            rows.append(
-                (
-                    key,
-                    str(g["unshard"]),
-                    str(ag["count"]),
-                    str(ag["bytes"]),
-                    f"{ag['time_ms']:.3f} ({ag['exposed_ms']:.3f})",
-                    str(rs["count"]),
-                    str(rs["bytes"]),
-                    f"{rs['time_ms']:.3f}",
-                    str(ar["count"]),
-                    str(ar["bytes"]),
-                    f"{ar['time_ms']:.3f}",
-                    f"{g['copy_in_ms']:.3f}",
-                    f"{g['copy_out_ms']:.3f}",
-                    f"{hooks:.3f}",
-                    str(g["peak_gathered_bytes"]),
-                )
-            )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        lines = [
-            "  ".join(
-                cell.ljust(w) if i == 0 else cell.rjust(w)
-                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-            )
-            for row in rows
-        ]
-        lines.insert(1, "-" * len(lines[0]))
-        which = "all steps" if step is None else f"step {step}"
-        lines.insert(
-            0, f"FSDP trace, rank {self.rank}/{self.world_size}, {which} of {self.num_steps}"
-        )
-        lines.append(
-            f"peak gathered bytes {data['peak_gathered_bytes']}, peak unsharded grad bytes "
-            f"{data['peak_grad_bytes']}, gathered at end {data['end_gathered_bytes']}"
-        )
-        return "\n".join(lines)
-
-    # --- exports ------------------------------------------------------------------------------
-    def chrome_trace(self) -> dict[str, Any]:
-        """The trace as a Trace Event Format object (``traceEvents``; times in microseconds)."""
-        pid = self.rank
-        events: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}},
-            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}},
-        ]
-        lanes = _Lanes(events, pid)
-        for s in self.steps:
-            end = s.end_ns if s.end_ns is not None else self.now()
-            lanes.complete("step", f"step {s.index}", "step", s.begin_ns, end, {"step": s.index})
-        for sp in self.spans:
-            name = sp.name if sp.category == "hook" else sp.category
-            args: dict[str, Any] = {"group": sp.group, "step": sp.step}
-            if sp.cpu_ns is not None:
-                args["cpu_us"] = sp.cpu_ns / 1e3
-            category = "copy" if sp.category.startswith("copy") else sp.category
-            lanes.complete(
-                category, f"{name} {sp.group}", sp.category, sp.begin_ns, sp.end_ns, args
-            )
-        for c in self.collectives:
-            if c.complete_ns is None:
-                continue
-            args = {
-                "group": c.group,
-                "step": c.step,
-                "bytes": c.nbytes,
-                "ranks": list(c.ranks),
-                "group_size": len(c.ranks),
-            }
-            if c.exposed_ns is not None:
-                args["exposed_us"] = c.exposed_ns / 1e3
-            lanes.complete(c.kind, f"{c.kind} {c.group}", c.kind, c.issue_ns, c.complete_ns, args)
-        for name in ("gathered params", "unsharded grads"):
-            events.append({"name": name, "ph": "C", "ts": 0.0, "pid": pid, "args": {"bytes": 0}})
-        for r in self.memory:
-            ts = r.t_ns / 1e3
-            if r.event in ("reshard", "discard"):
-                events.append(
-                    {
-                        "name": f"{r.event} {r.group}",
-                        "cat": r.event,
-                        "ph": "i",
-                        "s": "t",
-                        "ts": ts,
-                        "pid": pid,
-                        "tid": lanes.tid("reshard", 0),
-                        "args": {"group": r.group, "freed_bytes": -r.delta, "step": r.step},
-                    }
-                )
-            gathered = r.event in ("unshard", "reshard", "discard")
-            events.append(
-                {
-                    "name": "gathered params" if gathered else "unsharded grads",
-                    "ph": "C",
-                    "ts": ts,
-                    "pid": pid,
-                    "args": {"bytes": r.gathered_bytes if gathered else r.grad_bytes},
-                }
-            )
-        return {
-            "traceEvents": events,
-            "displayTimeUnit": "ms",
-            "otherData": {"rank": self.rank, "world_size": self.world_size, "source": "shardweave"},
-        }
-
-    def export_chrome_trace(self, path: str | Path) -> Path:
-        """Write this rank's trace as Chrome / Perfetto JSON (load it in ui.perfetto.dev or
-        chrome://tracing). ``{rank}`` in ``path`` is replaced by the rank. Returns the path."""
-        out = Path(str(path).replace("{rank}", str(self.rank)))
-        out.write_text(json.dumps(self.chrome_trace()))
-        return out
-
-    def plot_memory(self, path: str | Path) -> Path:
-        """Draw gathered-parameter and unsharded-gradient bytes alive over time as a PNG.
-
-        Needs matplotlib: ``pip install 'shardweave-fsdp[plot]'``. ``{rank}`` in ``path`` is
-        replaced by the rank. Returns the path.
-        """
-        try:
-            # No pyplot: a bare Figure draws with Agg and leaves the user's backend alone.
-            figure: Any = importlib.import_module("matplotlib.figure")
-        except ImportError as e:
-            raise ImportError(
-                f"FSDPTracer.plot_memory needs matplotlib, which is not installed; install the "
-                f"plot extra: {_PLOT_INSTALL}"
-            ) from e
-        out = Path(str(path).replace("{rank}", str(self.rank)))
-        fig = figure.Figure(figsize=(10, 4))
-        ax = fig.add_subplot()
-        for label, series in (
-            ("gathered params", self.gathered_bytes_timeline()),
-            ("unsharded grads", self.grad_bytes_timeline()),
-        ):
-            ax.step(
-                [t / 1e6 for t, _ in series],
-                [b / 2**20 for _, b in series],
-                where="post",
-                label=label,
-            )
-        for s in self.steps[1:]:
-            ax.axvline(s.begin_ns / 1e6, color="grey", linewidth=0.5, linestyle="--")
-        ax.set_xlabel("time since trace start (ms)")
-        ax.set_ylabel("MiB alive")
-        ax.set_title(f"FSDP memory, rank {self.rank} ({self.num_steps} steps)")
-        ax.legend(loc="upper right")
-        fig.tight_layout()
-        fig.savefig(out, dpi=100)
-        return out
-
-
-class _Lanes:
-    """Puts complete events on threads (``tid``) so none overlaps another on the same thread,
-    as the Trace Event Format requires: one base tid per category, extra lanes for overlaps."""
-
-    _ORDER: Final = (
-        "step",
-        "hook",
-        "copy",
-        "wait",
-        "unshard",
-        "reshard",
-        "all_gather",
-        "reduce_scatter",
-        "all_reduce",
-    )
-
-    def __init__(self, events: list[dict[str, Any]], pid: int) -> None:
-        self._events = events
-        self._pid = pid
-        self._ends: dict[str, list[int]] = {}
-        self._named: set[int] = set()
-
-    def tid(self, category: str, lane: int) -> int:
-        tid = (self._ORDER.index(category) + 1) * 100 + lane
-        if tid not in self._named:
-            self._named.add(tid)
-            label = category if lane == 0 else f"{category} ({lane + 1})"
-            self._events.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": self._pid,
-                    "tid": tid,
-                    "args": {"name": label},
-                }
-            )
-            self._events.append(
-                {
-                    "name": "thread_sort_index",
-                    "ph": "M",
-                    "pid": self._pid,
-                    "tid": tid,
-                    "args": {"sort_index": tid},
-                }
-            )
-        return tid
-
-    def complete(
-        self, category: str, name: str, cat: str, begin_ns: int, end_ns: int, args: dict[str, Any]
-    ) -> None:
-        ends = self._ends.setdefault(category, [])
-        lane = next((i for i, end in enumerate(ends) if end <= begin_ns), len(ends))
-        if lane == len(ends):
-            ends.append(end_ns)
-        else:
-            ends[lane] = end_ns
-        self._events.append(
-            {
-                "name": name,
-                "cat": cat,
-                "ph": "X",
-                "ts": begin_ns / 1e3,
-                "dur": (end_ns - begin_ns) / 1e3,
-                "pid": self._pid,
-                "tid": self.tid(category, lane),
-                "args": args,
-            }
-        )
-
-
-def trace() -> FSDPTracer:
-    """A tracer for the ``fully_shard`` modules of this process; use it as a context manager.
-
-    While it is active the engine records every unshard, reshard and collective (kind, bytes,
-    process group, issue and completion times), the copy-in/copy-out and hook times, and the
-    gathered-parameter and unsharded-gradient bytes alive. Disabled (no active tracer), the
-    engine pays one ``is None`` test per instrumentation point.
-
-    Example::
-
-        from shardweave.fsdp import trace
-
-        with trace() as tracer:
-            loss = model(batch).sum()
-            loss.backward()
-            tracer.step()
-        print(tracer.summary_table())
-        tracer.export_chrome_trace("fsdp-rank{rank}.json")
-    """
-    return FSDPTracer()

@@ -163,8 +163,9 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, int(current()))
 
 
-def check_mesh_argument(mesh: object, api: str) -> None:
-    """Raise ``ArgumentTypeError`` unless ``mesh`` is a ``DeviceMesh``."""
+def check_mesh_argument(mesh: object, *, api: str) -> None:
+    """Raise ``ArgumentTypeError`` (naming ``api`` and how to build a mesh) unless ``mesh`` is a
+    ``DeviceMesh``; for APIs that take a ``mesh`` argument, as ``replicate`` does."""
     if isinstance(mesh, DeviceMesh):
         return
     hint = (
@@ -221,7 +222,7 @@ def resolve_mesh_info(
         assert isinstance(info, HSDPMeshInfo) and info.is_spmd_mesh
         info.shard_mesh_size, info.replicate_mesh_size  # (4, 2); the "tp" dim is left to DTensor
     """
-    check_mesh_argument(mesh, api)
+    check_mesh_argument(mesh, api=api)
     _check_dims_argument(dp_mesh_dims, api)
     if dp_mesh_dims is None:
         if mesh.ndim == 1:

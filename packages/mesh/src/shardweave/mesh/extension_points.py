@@ -25,12 +25,8 @@ Where the engine consults each point:
 - ``STATE_DICT``: in ``set_full_state_dict``, for a full value that is not a plain tensor
   (a tensor-parallel DTensor from a TP-only checkpoint).
 
-Design note: tensor vocabulary
-    *sharded*: this rank's piece of a parameter, what FSDP keeps between steps.
-    *unsharded*: the whole parameter, rebuilt from the all-gather for forward and backward.
-    *all-gather input / output*: the tensors one rank contributes to, and receives from, the
-    all-gather; usually the sharded local tensor and the gathered flat tensor, but an
-    ``AllGatherExtension`` may send several tensors (a payload and its scales) per parameter.
+The words *sharded*, *unsharded* and *all-gather input / output* are the engine's: see Design
+note: tensor vocabulary (``shardweave/fsdp/_fsdp_common.py`` in ``shardweave-fsdp``).
 """
 
 from __future__ import annotations

@@ -14,16 +14,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
-from shardweave.fsdp._fsdp_init import (
-    module_arguments,
-    validate_ignored_params,
-    validate_module,
-)
-from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
-from shardweave.fsdp._fully_shard import (
+from shardweave.fsdp.engine import (
+    FSDPState,
     attach_engine,
     build_groups,
+    get_fsdp_state,
+    module_arguments,
     resolve_policies,
+    validate_ignored_params,
+    validate_module,
     with_state,
 )
 from shardweave.mesh import (
@@ -31,14 +30,14 @@ from shardweave.mesh import (
     DDPMeshInfo,
     FSDPMeshInfo,
     MeshValidationError,
+    check_mesh_argument,
     default_mesh,
     mesh_device,
     resolve_mesh_info,
 )
-from shardweave.mesh._dims import check_mesh_argument
 
 if TYPE_CHECKING:
-    from shardweave.fsdp._fsdp_api import AnyMixedPrecisionPolicy, AnyOffloadPolicy
+    from shardweave.fsdp.engine import AnyMixedPrecisionPolicy, AnyOffloadPolicy
 
 __all__ = ["ReplicateModule", "replicate"]
 
@@ -139,7 +138,7 @@ def _replicate(
         replicate(model)
     """
     api = "replicate"
-    modules = module_arguments(module, api)
+    modules = module_arguments(module, api=api)
     for m in modules:
         state = get_fsdp_state(m)
         if state is not None and not isinstance(state, ReplicateState):
@@ -154,11 +153,13 @@ def _replicate(
                 "Each distinct composable distributed API can only be applied to a module once. "
                 f"{api} has already been applied to {type(m).__name__}: remove the second call"
             )
-        validate_module(m, api)
-    mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, api)
-    validate_ignored_params(ignored_params, api)
+        validate_module(m, api=api)
+    mp_policy, offload_policy = resolve_policies(
+        mp_policy=mp_policy, offload_policy=offload_policy, api=api
+    )
+    validate_ignored_params(ignored_params, api=api)
     mesh = mesh if mesh is not None else default_mesh(mesh_dim_names=("replicate",))
-    check_mesh_argument(mesh, api)
+    check_mesh_argument(mesh, api=api)
     if dp_mesh_dims is not None:
         mesh_info = resolve_mesh_info(mesh, dp_mesh_dims, api=api)
         if isinstance(mesh_info, FSDPMeshInfo) or not isinstance(mesh_info, DDPMeshInfo):
@@ -177,31 +178,32 @@ def _replicate(
 
     attach_engine(
         modules,
-        ignored_params,
-        device,
-        lambda roots: ReplicateState(
-            roots, device, mp_policy, mesh_info, auto_reshard_after_forward=False
+        ignored_params=ignored_params,
+        device=device,
+        # replicate never reshards after forward: nothing is sharded
+        make_state=lambda roots: ReplicateState(
+            roots, device=device, mp_policy=mp_policy, mesh_info=mesh_info
         ),
+        module_cls=ReplicateModule,
+        class_prefix="Replicate",
+        mark_managed=False,
         # One group: every parameter Replicate() on the mesh, and unsharded from forward to
         # backward (no post-forward mesh).
-        lambda params, roots: build_groups(
+        make_groups=lambda params, roots: build_groups(
             params,
-            [(None, mesh_info)] * len(params),
-            roots,
-            mesh_info,
-            None,
-            None,
-            device,
-            mp_policy,
-            offload_policy,
+            placements=[(None, mesh_info)] * len(params),
+            roots=roots,
+            mesh_info=mesh_info,
+            post_forward_mesh_info=None,
+            reshard_after_forward=None,
+            device=device,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
         ),
-        ReplicateModule,
-        "Replicate",
-        mark_managed=False,
     )
     if isinstance(module, nn.Module):
         return cast(ReplicateModule, module)
     return module
 
 
-replicate: Final[ReplicateFn] = cast(ReplicateFn, with_state(_replicate, "replicate"))
+replicate: Final[ReplicateFn] = cast(ReplicateFn, with_state(_replicate, api="replicate"))

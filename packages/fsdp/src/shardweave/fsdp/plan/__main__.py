@@ -1,4 +1,5 @@
-"""``python -m shardweave.fsdp.plan --model PKG.MODULE:FACTORY --mesh 8x128 --wrap Block``."""
+"""``python -m shardweave.fsdp.plan --model PKG.MODULE:FACTORY --mesh 8x128 --wrap Block``
+(add ``--sample-input 8x2048:long`` for the peak with activations)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from shardweave.fsdp.plan._model import PlanError
-from shardweave.fsdp.plan._plan import OPTIMIZER_STATES, plan
+from shardweave.fsdp.plan._plan import BACKENDS, DTYPE_NAMES, OPTIMIZER_STATES, plan
 from shardweave.fsdp.plan._report import format_table
 
 
@@ -37,6 +39,30 @@ def _load_factory(spec: str) -> Callable[[], nn.Module]:
     return factory
 
 
+_INT_DTYPES = {"long": torch.long, "int64": torch.long, "int": torch.int32, "int32": torch.int32}
+
+
+def _parse_sample(spec: str | None) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """``8x1024`` (float32) or ``8x1024:long`` / ``8x3x224x224:bf16``."""
+    if spec is None:
+        return None
+    shape_text, _, dtype_text = spec.partition(":")
+    try:
+        shape = tuple(int(d) for d in shape_text.lower().replace(",", "x").split("x"))
+    except ValueError:
+        raise PlanError(
+            f"--sample-input: {spec!r} is not SHAPE[:DTYPE], e.g. 8x1024:long"
+        ) from None
+    name = (dtype_text or "fp32").lower()
+    dtype = _INT_DTYPES.get(name) or DTYPE_NAMES.get(name)
+    if dtype is None or any(d < 1 for d in shape):
+        raise PlanError(
+            f"--sample-input: {spec!r} is not SHAPE[:DTYPE]; dtypes: "
+            f"{sorted({*_INT_DTYPES, *DTYPE_NAMES})}"
+        )
+    return shape, dtype
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m shardweave.fsdp.plan",
@@ -56,6 +82,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wrap", default=None, help="module class name(s) to wrap, comma-separated")
     p.add_argument("--forward-prefetch", type=int, default=0)
     p.add_argument("--backward-prefetch", type=int, default=1)
+    p.add_argument(
+        "--sample-input",
+        default=None,
+        help="SHAPE[:DTYPE] of one step's input (e.g. 8x2048:long): adds the peak with "
+        "activations, from one forward and backward under fake tensors",
+    )
+    p.add_argument("--backend", default="nccl", choices=BACKENDS)
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="CPUOffloadPolicy: sharded params, grads and optimizer state in host memory",
+    )
+    p.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="sharded gradients stay between steps (zero_grad(set_to_none=False))",
+    )
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--timeline", action="store_true", help="include the event timeline in JSON")
     p.add_argument("--quiet", action="store_true", help="no table on stdout")
@@ -77,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer=args.optimizer,
             forward_prefetch=args.forward_prefetch,
             backward_prefetch=args.backward_prefetch,
+            set_to_none=not args.keep_grads,
+            sample_input=_parse_sample(args.sample_input),
+            backend=args.backend,
+            offload=args.offload,
         )
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)

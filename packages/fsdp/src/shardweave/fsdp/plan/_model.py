@@ -43,6 +43,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    shard_dim: int = 0  # from ``shard_placement_fn``
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ def discover_groups(
     ignored_params: set[nn.Parameter] | None = None,
     tp: int = 1,
     tp_shard_dim: Callable[[str, nn.Parameter], int | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    shard_size: int = 1,
 ) -> list[GroupSpec]:
     """The groups in forward order (the root first, then wrapped modules in pre-order)."""
     ignored = ignored_params or set()
@@ -177,7 +180,8 @@ def discover_groups(
                     )
                 tp_dim = None if tp_shard_dim is None else tp_shard_dim(fqn, param)
                 shape = _tp_local_shape(tuple(param.shape), tp, tp_dim)
-                params.append(ParamSpec(fqn, shape, param.dtype, param.requires_grad))
+                dim = _shard_dim(fqn, param, shape, shard_placement_fn, shard_size)
+                params.append(ParamSpec(fqn, shape, param.dtype, param.requires_grad, dim))
                 if module is not root:
                     child = _direct_child_name(names.get(module, ""), key)
                     child_numel[child] = child_numel.get(child, 0) + param.numel()
@@ -208,6 +212,34 @@ def discover_groups(
     # ... but report them in forward order: the root's pre-forward runs first, then the wrapped
     # modules in the order named_modules lists them (the order a sequential forward runs them).
     return [groups[m] for m in names if m in groups]
+
+
+def _shard_dim(
+    fqn: str,
+    param: nn.Parameter,
+    shape: tuple[int, ...],
+    placement_fn: Callable[[nn.Parameter], object] | None,
+    world: int,
+) -> int:
+    """The dim ``fully_shard`` shards ``param`` on, rejected where the engine rejects it."""
+    placement = None if placement_fn is None else placement_fn(param)
+    if placement is None:
+        return 0
+    dim = getattr(placement, "dim", None)
+    if not isinstance(dim, int):
+        raise PlanError(
+            f"plan: shard_placement_fn must return Shard(dim) or None, got {placement!r} for "
+            f"'{fqn}'"
+        )
+    if not -len(shape) <= dim < len(shape):
+        raise PlanError(f"plan: Shard({dim}) is invalid for the {len(shape)}-D '{fqn}'")
+    dim %= len(shape)
+    if dim > 0 and shape[dim] % world:
+        raise PlanError(
+            f"plan: '{fqn}' has size {shape[dim]} on dim {dim}, which the shard size {world} "
+            f"does not divide; fully_shard only shards dim 0 unevenly"
+        )
+    return dim
 
 
 def _direct_child_name(module_fqn: str, group_key: str) -> str:

@@ -14,6 +14,13 @@ import torch
 from torch import nn
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+from shardweave.fsdp.plan._activations import (
+    LossFn,
+    SampleInput,
+    describe_sample,
+    fake_mode,
+    run_fake_step,
+)
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
@@ -22,10 +29,10 @@ from shardweave.fsdp.plan._model import (
     discover_groups,
     module_wrap_predicate,
 )
-from shardweave.fsdp.plan._schedule import GroupTraffic, TimelineRecord, simulate_step
+from shardweave.fsdp.plan._schedule import GroupTraffic, Replay, TimelineRecord, simulate_step
 from shardweave.fsdp.plan._sharding import layout, reduce_dtype, unsharded_dtype
 
-__all__ = ["GroupPlan", "ParamPlan", "Plan", "plan"]
+__all__ = ["ActivationPlan", "GroupPlan", "ParamPlan", "Plan", "plan"]
 
 # Optimizer state tensors per trainable parameter, each the size of the rank's (unpadded) shard
 # in the parameter's original dtype. Adam's per-parameter ``step`` scalars are not counted (one
@@ -57,6 +64,11 @@ _SHORT: Final[dict[torch.dtype, str]] = {
 }
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
+
+# Collective backends whose collectives stage data in tensors of their own while they run:
+# gloo copies an all-gather's output and a reduce-scatter's input, and reduces bf16/fp16 in
+# fp32 (measured on torch 2.13's ProcessGroupGloo). NCCL works in the given buffers.
+BACKENDS: Final = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -118,16 +130,52 @@ class GroupPlan:
     all_reduce_bytes: int  # per step
     children: tuple[tuple[str, int], ...]
     params: tuple[ParamPlan, ...] = field(repr=False)
+    aliases_shards: bool = False  # one rank per shard group, no cast: nothing is gathered
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """The step's peak with activations, from one fake-tensor forward and backward of a sample
+    input under the engine's schedule (bytes per rank; see docs/plan.md, "Reading the report").
+
+    ``peak_bytes`` is the most live tensor bytes on shard rank 0 during forward and backward
+    (every line of the plan plus activations); ``peak_phase`` / ``peak_group`` say when
+    (``"backward"``, ``"layers.3"``); ``lines_at_peak`` splits ``peak_bytes`` into the plan's
+    lines at that moment; ``peaks`` gives each line's own peak over this step (unsharded
+    gradients appear as autograd makes them here, not a group at a time).
+
+    Example::
+
+        p = plan(build_model, mesh=8, wrap="Block", sample_input=((8, 1024), torch.long))
+        a = p.activations
+        print(a.peak_bytes / 2**30, "GiB at", a.peak_phase, a.peak_group)
+    """
+
+    sample_input: str
+    peak_bytes: int
+    last_shard_rank_peak_bytes: int
+    peak_phase: str
+    peak_group: str
+    peak_event: str
+    peak_activation_bytes: int
+    lines_at_peak: dict[str, int]
+    peaks: dict[str, int]  # each line's own peak over the fake step (as ``CATEGORIES``)
+    seconds: float
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Per-rank predictions for one training step (bytes; max over ranks).
+    """Per-rank predictions for one training step (bytes; shard rank 0, the most loaded).
 
     Memory on every rank is the same except optimizer state: the engine keeps padded shards
     (and padded sharded gradients) on every rank, while optimizer state follows the real shard,
-    which is largest on shard rank 0; ``ranks`` gives rank 0 and the last shard rank.
-    Activations and communication staging buffers are not included: budget them separately.
+    which is largest on shard rank 0; ``ranks`` gives rank 0 and the last shard rank. The
+    lines (docs/plan.md defines each): ``sharded_param_bytes``, ``grad_bytes`` (sharded
+    gradients), ``optimizer_state_bytes``, ``peak_gathered_param_bytes``,
+    ``peak_comm_buffer_bytes``, ``unsharded_grad_bytes`` (its peak),
+    ``peak_post_forward_shard_bytes``, and ``peak_tensor_bytes``, the peak of their sum at one
+    moment of the step (``peak_at``; ``lines_at_peak`` splits it). Activations are in
+    ``activations`` when a sample input was given.
 
     Example::
 
@@ -148,8 +196,12 @@ class Plan:
     grad_bytes: int
     optimizer_state_bytes: int
     peak_gathered_param_bytes: int
+    peak_comm_buffer_bytes: int
     unsharded_grad_bytes: int
+    peak_post_forward_shard_bytes: int
     peak_tensor_bytes: int
+    peak_at: str
+    lines_at_peak: dict[str, int]
     comm_bytes: dict[str, int]
     collectives: dict[str, int]
     ranks: dict[str, dict[str, int]]
@@ -158,6 +210,8 @@ class Plan:
     suggestions: tuple[str, ...]
     schedule: dict[str, object]
     timeline: tuple[TimelineRecord, ...] = field(repr=False)
+    activations: ActivationPlan | None = None
+    host_bytes: int = 0  # with offload: sharded params, sharded grads, optimizer state
     planner_seconds: float = 0.0
 
     def group(self, key: str) -> GroupPlan:
@@ -294,6 +348,12 @@ def plan(
     ignored_params: set[nn.Parameter] | None = None,
     forward_prefetch: int = 0,
     backward_prefetch: int = 1,
+    set_to_none: bool = True,
+    sample_input: SampleInput | None = None,
+    loss_fn: LossFn | None = None,
+    backend: str = "nccl",
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    offload: bool = False,
 ) -> Plan:
     """Predict per-rank memory and per-step communication of ``fully_shard`` on ``mesh``.
 
@@ -328,11 +388,26 @@ def plan(
             ``set_modules_to_forward_prefetch``); 0 is the engine's default.
         backward_prefetch: previous groups prefetched in backward: 1 is the engine's implicit
             prefetch, ``k > 1`` models explicit ``set_modules_to_backward_prefetch`` lists.
+        set_to_none: whether ``optimizer.zero_grad()`` frees the sharded gradients between
+            steps (its default): then they appear during backward instead of being held.
+        sample_input: one step's input: a tensor, a zero-argument factory of the input(s) (run
+            under fake tensors), or ``(shape, dtype)``. With it the model (a factory) runs one
+            forward and backward under fake tensors and ``Plan.activations`` gives the step's
+            peak with activations and when it is reached (see ``_activations``).
+        loss_fn: ``loss_fn(output, input)`` for that step; the default sums the output.
+        backend: ``"nccl"`` or ``"gloo"`` (which stages collectives in copies of its own,
+            counted as communication buffers while the collective is in flight).
+        shard_placement_fn: as ``fully_shard``'s: ``Shard(dim)`` or ``None`` (dim 0) per
+            parameter; a dim other than 0 must be divisible by the shard size, and costs a
+            scratch copy at each copy-out and a re-laid-out gradient at each reduce-scatter.
+        offload: ``CPUOffloadPolicy``: sharded parameters, sharded gradients and optimizer
+            state live in host memory (``Plan.host_bytes``) and leave the device peaks; each
+            all-gather first copies the shards to the device (a communication buffer).
 
     Returns:
         A ``Plan``: totals (``sharded_param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``,
         ``peak_gathered_param_bytes``, ``unsharded_grad_bytes``, ``peak_tensor_bytes``,
-        ``comm_bytes``), per-group rows and suggestions. Activations are not included.
+        ``comm_bytes``), per-group rows and suggestions; ``activations`` with a sample input.
 
     Example::
 
@@ -352,27 +427,51 @@ def plan(
     if forward_prefetch < 0 or backward_prefetch < 1:
         raise PlanError("plan: forward_prefetch must be >= 0 and backward_prefetch >= 1")
     states = OPTIMIZER_STATES[optimizer.lower().replace("-", "_")]
+    if backend not in BACKENDS:
+        raise PlanError(f"plan: backend must be one of {BACKENDS}, got {backend!r}")
     mp = parse_mp(mp_policy, reduce_dtype)
     block_reshard = parse_reshard(reshard_after_forward)
     root_reshard = parse_reshard(root_reshard_after_forward)
-    model = _build_model(model_or_factory)
+    fake_tensors = None
+    if sample_input is not None:
+        if isinstance(model_or_factory, nn.Module) or not callable(model_or_factory):
+            raise PlanError(
+                "plan: sample_input needs the model as a zero-argument factory (it is built "
+                "again under fake tensors), not a built module"
+            )
+        if tp > 1:
+            raise PlanError("plan: sample_input with tp > 1 is not modeled; plan without it")
+        fake_tensors = fake_mode()
+        with fake_tensors:
+            model = model_or_factory()
+        if not isinstance(model, nn.Module):
+            raise PlanError(f"plan: the factory returned {type(model).__name__}, not an nn.Module")
+    else:
+        model = _build_model(model_or_factory)
     specs = discover_groups(
         model,
         module_wrap_predicate(wrap),
         ignored_params=ignored_params,
         tp=tp,
         tp_shard_dim=(tp_shard_dim or default_tp_shard_dim) if tp > 1 else None,
+        shard_placement_fn=shard_placement_fn,
+        shard_size=shard_size,
     )
     groups: list[GroupPlan] = []
     traffic: list[GroupTraffic] = []
     for spec in specs:
         is_root = spec.key == ROOT_KEY
         mode = _resolve_reshard(root_reshard if is_root else block_reshard, shard_size, is_root)
-        gp, tr = _group_plan(spec, mode, shard_size, mp, states)
+        gp, tr = _group_plan(
+            spec, mode, shard_size, mp, states, replicate_size > 1, backend == "gloo", offload
+        )
         groups.append(gp)
         traffic.append(tr)
     sched = simulate_step(
-        traffic, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch
+        traffic,
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        set_to_none=set_to_none,
     )
     final: list[GroupPlan] = []
     for gp in groups:
@@ -405,8 +504,42 @@ def plan(
         "reduce_scatter": sum(g.reduce_scatters_per_step for g in final),
         "all_reduce": sum(g.all_reduces_per_step for g in final),
     }
-    ranks = _rank_rows(final)
-    static = sharded + grads + opt0
+    opt_last = sum(g.last_rank_optimizer_state_bytes for g in final)
+    host = sharded + grads + opt0 if offload else 0
+    # Device bytes held all step: the shards and optimizer state, unless offloaded.
+    held0, held_last = (0, 0) if offload else (sharded + opt0, sharded + opt_last)
+    peak = held0 + sched.peak_dynamic_bytes
+    activations = None
+    if fake_tensors is not None and sample_input is not None:
+        replay = Replay(
+            traffic,
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+            set_to_none=set_to_none,
+            keep_timeline=False,
+        )
+        fake = run_fake_step(
+            model, fake_tensors, specs, replay, sample_input, loss_fn, mp.param_dtype
+        )
+        fs = fake.schedule
+        phase, group, event = fs.peak_moment
+        activations = ActivationPlan(
+            sample_input=describe_sample(sample_input),
+            peak_bytes=held0 + fs.peak_dynamic_bytes,
+            last_shard_rank_peak_bytes=held_last + fs.peak_dynamic_bytes,
+            peak_phase=phase,
+            peak_group=group,
+            peak_event=event,
+            peak_activation_bytes=fake.peak_activation_bytes,
+            lines_at_peak={
+                "sharded_params": 0 if offload else sharded,
+                "optimizer_state": 0 if offload else opt0,
+                **fs.at_peak,
+            },
+            peaks=dict(fs.peaks),
+            seconds=round(fake.seconds, 4),
+        )
+    ranks = _rank_rows(final, peak - opt0, offload)
     largest = max(final, key=lambda g: g.gathered_bytes).key if final else ""
     from shardweave.fsdp.plan._report import suggestions as make_suggestions
 
@@ -425,6 +558,10 @@ def plan(
         "optimizer": optimizer,
         "forward_prefetch": forward_prefetch,
         "backward_prefetch": backward_prefetch,
+        "set_to_none": set_to_none,
+        "backend": backend,
+        "offload": offload,
+        "sample_input": None if sample_input is None else describe_sample(sample_input),
     }
     result = Plan(
         inputs=inputs,
@@ -435,9 +572,18 @@ def plan(
         sharded_param_bytes=sharded,
         grad_bytes=grads,
         optimizer_state_bytes=opt0,
-        peak_gathered_param_bytes=sched.peak_gathered_bytes,
-        unsharded_grad_bytes=sched.peak_grad_bytes,
-        peak_tensor_bytes=static + sched.peak_dynamic_bytes,
+        peak_gathered_param_bytes=sched.peaks["gathered_params"],
+        peak_comm_buffer_bytes=sched.peaks["comm_buffers"],
+        unsharded_grad_bytes=sched.peaks["unsharded_grads"],
+        peak_post_forward_shard_bytes=sched.peaks["post_forward_shards"],
+        peak_tensor_bytes=peak,
+        peak_at=sched.peak_dynamic_at,
+        lines_at_peak={
+            "sharded_params": 0 if offload else sharded,
+            "optimizer_state": 0 if offload else opt0,
+            **sched.at_peak,
+        },
+        host_bytes=host,
         comm_bytes=comm,
         collectives=collectives,
         ranks=ranks,
@@ -445,17 +591,20 @@ def plan(
         largest_group=largest,
         suggestions=(),
         schedule={
-            "peak_gathered_at": sched.peak_gathered_at,
+            "peaks_at": dict(sched.peaks_at),
             "peak_dynamic_bytes": sched.peak_dynamic_bytes,
             "peak_dynamic_at": sched.peak_dynamic_at,
             "model": (
                 "forward: root unshards, wrapped modules unshard/run/reshard in order; "
                 f"forward prefetch {forward_prefetch}; backward: each group re-gathers if "
                 f"resharded and prefetches {backward_prefetch} previous group(s); root and "
-                "wrapped nn.Embedding reduce in the final callback; activations excluded"
+                "wrapped nn.Embedding reduce in the final callback; sharded grads "
+                + ("appear as reductions finish" if set_to_none else "held between steps")
+                + "; activations only in 'activations', from a fake step on a sample input"
             ),
         },
         timeline=tuple(sched.timeline),
+        activations=activations,
     )
     result = dataclasses.replace(result, suggestions=tuple(make_suggestions(result, specs)))
     return dataclasses.replace(result, planner_seconds=round(time.perf_counter() - started, 4))
@@ -471,15 +620,21 @@ def _group_plan(
     world: int,
     mp: MixedPrecisionPolicy,
     states: int,
+    all_reduce: bool,
+    gloo: bool,
+    offload: bool,
 ) -> tuple[GroupPlan, GroupTraffic]:
     params: list[ParamPlan] = []
     numel = trainable = padded = 0
     sharded = grad = opt = opt_last = gathered = ugrad = post = rs = ar = 0
-    rank0 = last = 0
+    rank0 = last = cast_input = ar_staging = scratch = relayout = 0
+    orig_dtypes = {p.dtype for p in spec.params}
+    casts = False
     for p in spec.params:
-        lay = layout(p.shape, world)
+        lay = layout(p.shape, world, p.shard_dim)
         ud = unsharded_dtype(p.dtype, mp.param_dtype)
         rd = reduce_dtype(p.dtype, mp.param_dtype, mp.reduce_dtype)
+        casts |= ud != p.dtype
         orig = p.dtype.itemsize
         numel += lay.numel
         padded += lay.padded_shard_numel
@@ -487,16 +642,25 @@ def _group_plan(
         last += lay.last_numel
         sharded += lay.padded_shard_numel * orig
         gathered += world * lay.padded_shard_numel * ud.itemsize
+        cast_input += lay.padded_shard_numel * ud.itemsize
+        if p.shard_dim and world > 1:
+            # Gathered rows are chunks along the dim: copied out into scratch, then concatenated
+            # into place; gradients are re-laid out as dim-0 chunks before the reduce-scatter.
+            scratch += lay.numel * ud.itemsize
+            relayout += lay.numel * ud.itemsize if p.requires_grad else 0
         if not isinstance(mode, bool):
             post += world * lay.padded_shard_numel // mode * ud.itemsize
         if p.requires_grad:
             trainable += lay.numel
             grad += lay.padded_shard_numel * orig
-            opt += states * lay.rank0_numel * orig
-            opt_last += states * lay.last_numel * orig
+            # Adam's per-parameter ``step`` is a 4-byte tensor beside its two moments.
+            opt += states * lay.rank0_numel * orig + (4 if states == 2 else 0)
+            opt_last += states * lay.last_numel * orig + (4 if states == 2 else 0)
             ugrad += lay.numel * ud.itemsize
             rs += world * lay.padded_shard_numel * rd.itemsize
             ar += lay.padded_shard_numel * rd.itemsize
+            if rd.itemsize < 4:
+                ar_staging += lay.padded_shard_numel * 4  # gloo reduces in fp32
         params.append(
             ParamPlan(
                 p.fqn,
@@ -508,6 +672,16 @@ def _group_plan(
                 lay.last_numel,
             )
         )
+    # The engine's rules (FSDPParamGroup.unshard): one flat shard buffer per group when the
+    # dtypes agree; with one rank per shard group and no cast the parameters view it.
+    uniform = len(orig_dtypes) <= 1
+    aliases = world == 1 and uniform and not casts and isinstance(mode, bool) and not offload
+    if aliases:
+        gathered = 0
+    ag_input = cast_input if (casts or not uniform) else 0
+    ag_transient = 0
+    if offload:  # the shards are copied to the device first (then cast, if they are)
+        ag_input, ag_transient = (cast_input, sharded) if casts else (sharded, 0)
     gp = GroupPlan(
         key=spec.key,
         module_type=spec.module_type,
@@ -533,27 +707,69 @@ def _group_plan(
         all_reduce_bytes=ar,
         children=spec.children,
         params=tuple(params),
+        aliases_shards=aliases,
+    )
+    out_dtype_differs = any(
+        reduce_dtype(p.dtype, mp.param_dtype, mp.reduce_dtype) != p.dtype
+        for p in spec.params
+        if p.requires_grad
     )
     tr = GroupTraffic(
         key=spec.key,
         parent=spec.parent,
         gathered_bytes=gathered,
+        all_gather_output_bytes=gathered if world > 1 else 0,
+        all_gather_input_bytes=0 if aliases else ag_input,
+        all_gather_input_transient_bytes=ag_transient,
         post_forward_bytes=post,
+        post_forward_input_bytes=post if len(spec.params) > 1 else 0,
         unsharded_grad_bytes=ugrad,
+        reduce_scatter_input_bytes=rs,
+        reduce_scatter_output_bytes=ar if world > 1 else 0,
+        sharded_grad_bytes=0 if offload else grad,  # offloaded: copied to the host
+        reduce_output_cast=out_dtype_differs or offload,
+        all_reduce=all_reduce and trainable > 0,
         reshard_after_forward=mode,
         deferred_post_backward=spec.key == ROOT_KEY or spec.input_is_integer,
+        copy_out_scratch_bytes=0 if aliases else scratch,
+        reduce_scatter_layout_bytes=relayout,
+        backend_all_gather_bytes=gathered if gloo and world > 1 else 0,
+        backend_reduce_scatter_bytes=rs if gloo and world > 1 else 0,
+        backend_all_reduce_bytes=ar_staging if gloo and all_reduce else 0,
     )
     return gp, tr
 
 
-def _rank_rows(groups: Sequence[GroupPlan]) -> dict[str, dict[str, int]]:
+def _rank_rows(
+    groups: Sequence[GroupPlan], peak_less_opt: int, offload: bool
+) -> dict[str, dict[str, int]]:
+    """Shard rank 0 and the last shard rank: they differ only in optimizer state (which is
+    host memory, out of the device peak, when offloaded)."""
+    opt0 = sum(g.optimizer_state_bytes for g in groups)
+    opt_last = sum(g.last_rank_optimizer_state_bytes for g in groups)
+    if offload:
+        peak_less_opt += opt0  # the device peak holds no optimizer state
+        return {
+            "rank0": {
+                "real_shard_numel": sum(g.rank0_numel for g in groups),
+                "optimizer_state_bytes": opt0,
+                "peak_tensor_bytes": peak_less_opt,
+            },
+            "last_shard_rank": {
+                "real_shard_numel": sum(g.last_rank_numel for g in groups),
+                "optimizer_state_bytes": opt_last,
+                "peak_tensor_bytes": peak_less_opt,
+            },
+        }
     return {
         "rank0": {
             "real_shard_numel": sum(g.rank0_numel for g in groups),
-            "optimizer_state_bytes": sum(g.optimizer_state_bytes for g in groups),
+            "optimizer_state_bytes": opt0,
+            "peak_tensor_bytes": peak_less_opt + opt0,
         },
         "last_shard_rank": {
             "real_shard_numel": sum(g.last_rank_numel for g in groups),
-            "optimizer_state_bytes": sum(g.last_rank_optimizer_state_bytes for g in groups),
+            "optimizer_state_bytes": opt_last,
+            "peak_tensor_bytes": peak_less_opt + opt_last,
         },
     }

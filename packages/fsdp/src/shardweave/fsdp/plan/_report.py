@@ -139,22 +139,55 @@ def format_table(plan: Plan) -> str:
     dtypes = plan.inputs["mp_policy"]
     assert isinstance(dtypes, dict)
     mp = f"param {dtypes['param_dtype'] or 'orig'} / reduce {dtypes['reduce_dtype'] or 'grad'}"
+    peaks_at = plan.schedule.get("peaks_at", {})
+    assert isinstance(peaks_at, dict)
     lines = [
         f"shardweave plan: {_numel(plan.total_numel)} params in {len(plan.groups)} groups, mesh "
         f"{mesh} {kind}, tp {plan.inputs['tp']}, world {plan.world_size}; mp {mp}; "
         f"reshard_after_forward {plan.inputs['reshard_after_forward']}; optimizer "
         f"{plan.inputs['optimizer']}",
         "",
-        "per rank (max over ranks)",
+        "per rank (shard rank 0; the last shard rank differs only in optimizer state)",
         f"  sharded params          {format_bytes(plan.sharded_param_bytes):>12}",
-        f"  sharded grads           {format_bytes(plan.grad_bytes):>12}",
-        f"  optimizer state         {format_bytes(plan.optimizer_state_bytes):>12}  (shard rank 0;"
-        f" last shard rank {format_bytes(plan.ranks['last_shard_rank']['optimizer_state_bytes'])})",
-        f"  peak gathered params    {format_bytes(plan.peak_gathered_param_bytes):>12}  (at "
-        f"{plan.schedule['peak_gathered_at']})",
-        f"  peak unsharded grads    {format_bytes(plan.unsharded_grad_bytes):>12}",
-        f"  peak tensor bytes       {format_bytes(plan.peak_tensor_bytes):>12}  (activations and "
-        "comm staging buffers excluded)",
+        f"  sharded grads           {format_bytes(plan.grad_bytes):>12}  (after backward)",
+        f"  optimizer state         {format_bytes(plan.optimizer_state_bytes):>12}  (last shard "
+        f"rank {format_bytes(plan.ranks['last_shard_rank']['optimizer_state_bytes'])})",
+        f"  gathered params, peak   {format_bytes(plan.peak_gathered_param_bytes):>12}  (at "
+        f"{peaks_at.get('gathered_params') or '-'})",
+        f"  comm buffers, peak      {format_bytes(plan.peak_comm_buffer_bytes):>12}  (at "
+        f"{peaks_at.get('comm_buffers') or '-'})",
+        f"  unsharded grads, peak   {format_bytes(plan.unsharded_grad_bytes):>12}",
+    ]
+    if plan.host_bytes:
+        lines.append(
+            f"  offloaded to host       {format_bytes(plan.host_bytes):>12}  (sharded params, grads "
+            "and optimizer state: not in the device peaks below)"
+        )
+    if plan.peak_post_forward_shard_bytes:
+        lines.append(
+            f"  post-forward shards     {format_bytes(plan.peak_post_forward_shard_bytes):>12}"
+        )
+    lines += [
+        f"  peak sum                {format_bytes(plan.peak_tensor_bytes):>12}  (at "
+        f"{plan.peak_at}; activations not included)",
+    ]
+    act = plan.activations
+    if act is not None:
+        lines += [
+            "",
+            f"with activations (sample input {act.sample_input}; one fake-tensor step)",
+            f"  activations, peak       {format_bytes(act.peak_activation_bytes):>12}",
+            f"  peak with activations   {format_bytes(act.peak_bytes):>12}  (at {act.peak_phase}"
+            f" of '{act.peak_group}', {act.peak_event}; last shard rank "
+            f"{format_bytes(act.last_shard_rank_peak_bytes)})",
+            "  at that moment: "
+            + ", ".join(
+                f"{name.replace('_', ' ')} {format_bytes(v)}"
+                for name, v in act.lines_at_peak.items()
+                if v
+            ),
+        ]
+    lines += [
         "",
         "per step per rank (logical payload)",
     ]

@@ -2,40 +2,65 @@
 
 Design note: the modeled step
     Groups are the ``fully_shard`` calls, in forward order (root first, wrapped modules in
-    ``named_modules`` order, nested ones inside their parent). One step is replayed as the
-    engine's hooks run it:
+    ``named_modules`` order, nested ones inside their parent). The replay is a state machine
+    with the engine's hooks as its methods (``pre_forward``, ``post_forward``,
+    ``pre_backward``, ``post_backward``, ``final_callback``); ``simulate_step`` drives it over a
+    sequential model with no tensors (``walk``), and ``_activations`` drives it from the hooks
+    of a fake-tensor forward and backward, so both follow one set of rules:
 
-    forward, recursively from the root: pre-forward unshards the group (all-gather) and, with
-    ``forward_prefetch=k``, issues the all-gathers of the next ``k`` non-root groups; then its
-    wrapped children run; then post-forward reshards it: ``True`` frees the gathered bytes,
-    ``False`` keeps them, an int ``N`` frees them and keeps post-forward shards (``1/N`` of the
-    padded parameters in the compute dtype). The root's default (``None``) keeps it gathered.
+    unshard (pre-forward, pre-backward, prefetch) issues the all-gather: its output buffer,
+    and the all-gather input when it is not the shard storage itself (a cast to
+    ``param_dtype``, or the concatenated post-forward shards), become *communication
+    buffers*. The wait (the group's own pre-forward / pre-backward) allocates the unsharded
+    parameters (*gathered parameters*), copies out and frees the output buffer; a cast input
+    is kept until the next all-gather is issued in forward (the engine orders the streams
+    with it) and freed at the wait in backward. With one rank per shard group and no cast,
+    the unsharded parameters view the shards: nothing is gathered or buffered.
 
-    backward, in reverse: pre-backward unshards the group again if it was resharded (a no-op
-    when a prefetch already issued it) and prefetches the group whose forward finished just
-    before this one's (the engine's implicit prefetch; ``backward_prefetch=k > 1`` prefetches
-    the ``k`` previous groups instead, as explicit ``set_modules_to_backward_prefetch`` lists
-    do); the group's unsharded gradients then appear (its backward compute); its wrapped
-    children run; post-backward reshards it, takes its unsharded gradients and reduces them.
-    The root's post-backward, and that of a wrapped ``nn.Embedding`` (its input needs no grad),
-    run in the final callback after every other group (root first).
+    post-forward reshards: ``True`` frees the gathered parameters, ``False`` keeps them, an
+    int ``N`` keeps a clone of ``1/N`` of them (*post-forward shards*, freed at the backward
+    wait). A checkpoint's recompute in backward reshards nothing. The root (``None``) stays
+    gathered until its post-backward.
 
-    Counters follow the tracer's definitions (``_trace``: Design note: traced quantities):
-    *gathered* bytes become live when an all-gather is issued and die at reshard; *unsharded
-    gradient* bytes live from post-backward's take until the reduce-scatter input is built.
-    Two extra counters feed ``peak_tensor_bytes``: post-forward shards, and *held* gradients,
-    live from the group's backward compute until reduced (so the root's, reduced last, are held
-    through the whole backward). Not modeled: activations, all-gather / reduce-scatter staging
-    buffers, the transient second copy during copy-out, activation-checkpoint recompute,
-    modules run more than once per step.
+    post-backward takes the group's *unsharded gradients*, frees the gathered parameters,
+    and starts the reduction: the reduce-scatter input (``W x`` padded shard, reduce dtype)
+    is allocated, the unsharded gradients are freed, the output (one padded shard) is
+    allocated and the reduce-scatter issued. At most one reduce-scatter is in flight: the
+    next post-backward first finishes the previous one (its input is freed; under HSDP its
+    all-reduce is issued and finished at the post-backward after that), then the output
+    becomes the *sharded gradients* (or is cast to the parameter dtype, a new tensor, and
+    freed). The root's post-backward, and that of a module whose inputs need no grad, run in
+    the final callback (root first), which then finishes every reduction.
+
+    With ``set_to_none`` (``optimizer.zero_grad()``'s default) sharded gradients do not exist
+    when the step starts and appear as reductions finish; otherwise they are there all along
+    and each reduction's output is added into them and freed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-__all__ = ["GroupTraffic", "ScheduleResult", "TimelineRecord", "simulate_step"]
+__all__ = [
+    "CATEGORIES",
+    "GroupTraffic",
+    "Replay",
+    "ScheduleResult",
+    "TimelineRecord",
+    "simulate_step",
+]
+
+# The per-rank lines that change during a step, in report order.
+CATEGORIES = (
+    "gathered_params",
+    "comm_buffers",
+    "unsharded_grads",
+    "post_forward_shards",
+    "sharded_grads",
+    "activations",
+)
 
 
 class _State(Enum):
@@ -46,95 +71,146 @@ class _State(Enum):
 
 @dataclass(frozen=True)
 class GroupTraffic:
-    """What the schedule needs to know about one group."""
+    """What the replay needs to know about one group (bytes per rank)."""
 
     key: str
     parent: str | None
-    gathered_bytes: int  # all-gather output bytes (full padded group in the all-gather dtype)
-    post_forward_bytes: int  # bytes kept per rank after an int reshard_after_forward
-    unsharded_grad_bytes: int  # trainable params' unsharded gradients
+    gathered_bytes: int  # unsharded parameters (0 when they alias the shards)
+    all_gather_output_bytes: int  # the all-gather's output buffer (0: no collective)
+    all_gather_input_bytes: int  # a copy of the shards as the all-gather input (0: none)
+    post_forward_bytes: int  # the post-forward shards of an int reshard_after_forward
+    post_forward_input_bytes: int  # their concatenation when gathered again (0: one param)
+    unsharded_grad_bytes: int
+    reduce_scatter_input_bytes: int
+    reduce_scatter_output_bytes: int  # 0 with one rank per shard group (input is the output)
+    sharded_grad_bytes: int
+    reduce_output_cast: bool  # reduce dtype differs from the parameters': output is cast
+    all_reduce: bool  # HSDP: the reduce-scatter output is all-reduced over replicas
     reshard_after_forward: bool | int  # resolved: False / True / int N (2 <= N < shard size)
-    deferred_post_backward: bool  # root, or a wrapped nn.Embedding
+    deferred_post_backward: bool  # root, or a module whose inputs need no gradient
+    # A dim other than 0 (shard_placement_fn): scratch for the copy-out, and the gradients
+    # re-laid out as dim-0 chunks for the reduce-scatter input.
+    copy_out_scratch_bytes: int = 0
+    # Offload: the shards' device copy while it is cast (gone once the cast copy exists).
+    all_gather_input_transient_bytes: int = 0
+    reduce_scatter_layout_bytes: int = 0
+    # Staging copies the backend makes while a collective runs (gloo: see _plan's BACKENDS).
+    backend_all_gather_bytes: int = 0
+    backend_reduce_scatter_bytes: int = 0
+    backend_all_reduce_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class TimelineRecord:
-    """One change of the counters, with totals after it (event names as the tracer's).
+    """One event and the per-rank bytes of each dynamic line right after it."""
 
-    Example::
-
-        p = plan(build_model, mesh=8, wrap="Block")
-        peak = max(p.timeline, key=lambda r: r.dynamic_bytes)
-        print(peak.phase, peak.event, peak.group, peak.dynamic_bytes)
-        backward = [r for r in p.timeline if r.phase == "backward"]
-    """
-
-    phase: str  # "forward" | "backward" | "final_callback"
+    phase: str
     group: str
-    # unshard | reshard | grads_taken | grads_reduced as the tracer records them, plus the
-    # planner-only grads_computed (held gradients appear; no tracer counterpart)
     event: str
     delta: int
     gathered_bytes: int
-    grad_bytes: int
+    comm_buffer_bytes: int
+    grad_bytes: int  # unsharded gradients
     post_forward_bytes: int
-    held_grad_bytes: int
+    sharded_grad_bytes: int
+    activation_bytes: int
 
     @property
     def dynamic_bytes(self) -> int:
-        return self.gathered_bytes + self.post_forward_bytes + self.held_grad_bytes
+        return (
+            self.gathered_bytes
+            + self.comm_buffer_bytes
+            + self.grad_bytes
+            + self.post_forward_bytes
+            + self.sharded_grad_bytes
+            + self.activation_bytes
+        )
 
 
 @dataclass
 class ScheduleResult:
     timeline: list[TimelineRecord] = field(default_factory=list)
     all_gathers: dict[str, int] = field(default_factory=dict)  # per group, per step
-    peak_gathered_bytes: int = 0
-    peak_grad_bytes: int = 0
+    peaks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    peaks_at: dict[str, str] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, ""))
     peak_dynamic_bytes: int = 0
-    peak_gathered_at: str = ""  # "phase: group event"
     peak_dynamic_at: str = ""
+    peak_moment: tuple[str, str, str] = ("", "", "")  # (phase, group, event)
+    at_peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
 
 
-class _Replay:
-    def __init__(self, groups: list[GroupTraffic], forward_prefetch: int, backward_prefetch: int):
+class Replay:
+    """The engine's per-group states and buffers, advanced by its hooks (see Design note)."""
+
+    def __init__(
+        self,
+        groups: list[GroupTraffic],
+        *,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
+        set_to_none: bool = True,
+        keep_timeline: bool = True,
+    ) -> None:
         self.groups = {g.key: g for g in groups}
         self.order = [g.key for g in groups]
-        self.children: dict[str | None, list[str]] = {}
-        for g in groups:
-            self.children.setdefault(g.parent, []).append(g.key)
-        self.root = self.order[0]
+        self.root = self.order[0] if self.order else ""
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
+        self.set_to_none = set_to_none
+        self.keep_timeline = keep_timeline
         self.state = dict.fromkeys(self.order, _State.SHARDED)
         self.pending: set[str] = set()
+        self.pending_from_post_forward: set[str] = set()
+        self.kept_input = 0  # a forward all-gather's cast input, freed at the next all-gather
         self.post_forward_order: list[str] = []
         self.indices: dict[str, list[int]] = {k: [] for k in self.order}
-        self.gathered = self.grads = self.post_forward = self.held = 0
+        self.pre_backward_done: set[str] = set()
+        self.post_backward_done: set[str] = set()
+        self.reduce_scatters: list[GroupTraffic] = []
+        self.all_reduces: list[GroupTraffic] = []
+        self.bytes = dict.fromkeys(CATEGORIES, 0)
+        if not set_to_none:
+            self.bytes["sharded_grads"] = sum(g.sharded_grad_bytes for g in groups)
         self.phase = "forward"
+        self.current = self.root
         self.result = ScheduleResult(all_gathers=dict.fromkeys(self.order, 0))
+        self._record("", "start", 0)
 
     # --- counters -----------------------------------------------------------------------------
+    def add(self, category: str, delta: int, group: str, event: str) -> None:
+        if delta:
+            self.bytes[category] += delta
+            self._record(group, event, delta)
+
     def _record(self, group: str, event: str, delta: int) -> None:
-        r = TimelineRecord(
-            self.phase,
-            group,
-            event,
-            delta,
-            self.gathered,
-            self.grads,
-            self.post_forward,
-            self.held,
-        )
-        self.result.timeline.append(r)
+        b = self.bytes
         res = self.result
-        if r.gathered_bytes > res.peak_gathered_bytes:
-            res.peak_gathered_bytes = r.gathered_bytes
-            res.peak_gathered_at = f"{self.phase}: {group} {event}"
-        res.peak_grad_bytes = max(res.peak_grad_bytes, r.grad_bytes)
-        if r.dynamic_bytes > res.peak_dynamic_bytes:
-            res.peak_dynamic_bytes = r.dynamic_bytes
-            res.peak_dynamic_at = f"{self.phase}: {group} {event}"
+        where = f"{self.phase}: {group or self.current} {event}"
+        for cat, value in b.items():
+            if value > res.peaks[cat]:
+                res.peaks[cat] = value
+                res.peaks_at[cat] = where
+        total = sum(b.values())
+        if total > res.peak_dynamic_bytes or not res.peak_dynamic_at:
+            res.peak_dynamic_bytes = total
+            res.peak_dynamic_at = where
+            res.peak_moment = (self.phase, group or self.current, event)
+            res.at_peak = dict(b)
+        if self.keep_timeline:
+            res.timeline.append(
+                TimelineRecord(
+                    self.phase,
+                    group,
+                    event,
+                    delta,
+                    b["gathered_params"],
+                    b["comm_buffers"],
+                    b["unsharded_grads"],
+                    b["post_forward_shards"],
+                    b["sharded_grads"],
+                    b["activations"],
+                )
+            )
 
     # --- group transitions (as FSDPParamGroup's) ----------------------------------------------
     def unshard(self, key: str) -> None:
@@ -142,51 +218,97 @@ class _Replay:
             return
         g = self.groups[key]
         self.pending.add(key)
-        self.result.all_gathers[key] += 1
-        self.gathered += g.gathered_bytes
-        self._record(key, "unshard", g.gathered_bytes)
+        if g.gathered_bytes == 0:
+            return  # the unsharded parameters alias the shards: no collective, no buffer
+        self.result.all_gathers[key] += 1 if g.all_gather_output_bytes else 0
+        if self.kept_input:
+            kept, self.kept_input = self.kept_input, 0
+            self.add("comm_buffers", -kept, key, "previous all-gather input freed")
+        transient = 0
+        if self.state[key] == _State.POST_FORWARD:
+            self.pending_from_post_forward.add(key)
+            extra = g.post_forward_input_bytes
+        else:
+            extra, transient = g.all_gather_input_bytes, g.all_gather_input_transient_bytes
+        self.add("comm_buffers", transient, key, "copy to device")
+        self.add("comm_buffers", extra, key, "all-gather input")
+        self.add("comm_buffers", -transient, key, "device copy freed")
+        self.add("comm_buffers", g.all_gather_output_bytes, key, "all-gather issued")
+        self.add("comm_buffers", g.backend_all_gather_bytes, key, "backend staging")
 
     def wait(self, key: str) -> None:
         if key not in self.pending:
             return
         self.pending.discard(key)
-        if self.state[key] == _State.POST_FORWARD:
-            self.post_forward -= self.groups[key].post_forward_bytes
+        g = self.groups[key]
+        from_post_forward = key in self.pending_from_post_forward
+        self.pending_from_post_forward.discard(key)
         self.state[key] = _State.UNSHARDED
+        if g.gathered_bytes == 0:
+            return
+        self.add("comm_buffers", -g.backend_all_gather_bytes, key, "all-gather done")
+        self.add("gathered_params", g.gathered_bytes, key, "copy-out")
+        if g.copy_out_scratch_bytes:
+            self.add("comm_buffers", g.copy_out_scratch_bytes, key, "copy-out scratch")
+            self.add("comm_buffers", -g.copy_out_scratch_bytes, key, "scratch freed")
+        self.add("comm_buffers", -g.all_gather_output_bytes, key, "all-gather output freed")
+        if from_post_forward:
+            self.add("post_forward_shards", -g.post_forward_bytes, key, "post-forward freed")
+            self.add("comm_buffers", -g.post_forward_input_bytes, key, "input freed")
+        elif self.phase == "forward":
+            self.kept_input += g.all_gather_input_bytes
+        else:
+            self.add("comm_buffers", -g.all_gather_input_bytes, key, "all-gather input freed")
 
     def reshard(self, key: str, forward: bool) -> None:
         g = self.groups[key]
         mode = g.reshard_after_forward
         if forward and mode is False:
             return
-        if self.state[key] == _State.UNSHARDED:
-            self.gathered -= g.gathered_bytes
-            if forward and mode is not True:
-                self.state[key] = _State.POST_FORWARD
-                self.post_forward += g.post_forward_bytes
-            else:
-                self.state[key] = _State.SHARDED
-            self._record(key, "reshard", -g.gathered_bytes)
-        elif not forward and self.state[key] == _State.POST_FORWARD:
+        if self.state[key] != _State.UNSHARDED:
+            return
+        if forward and mode is not True:
+            self.state[key] = _State.POST_FORWARD
+            if g.gathered_bytes:
+                self.add("post_forward_shards", g.post_forward_bytes, key, "post-forward kept")
+        else:
             self.state[key] = _State.SHARDED
-            self.post_forward -= g.post_forward_bytes
-            self._record(key, "reshard", 0)
+        self.add("gathered_params", -g.gathered_bytes, key, "reshard")
 
     # --- hooks --------------------------------------------------------------------------------
-    def forward(self, key: str) -> None:
+    def pre_forward(self, key: str) -> None:
+        self.current = key
         self.unshard(key)
         self.wait(key)
-        if key != self.root and self.forward_prefetch > 0:
-            later = [k for k in self.order[self.order.index(key) + 1 :] if k != self.root]
-            for target in later[: self.forward_prefetch]:
-                self.unshard(target)
-        for child in self.children.get(key, []):
-            self.forward(child)
+        if self.phase != "forward" or key == self.root or self.forward_prefetch <= 0:
+            return
+        later = [k for k in self.order[self.order.index(key) + 1 :] if k != self.root]
+        for target in later[: self.forward_prefetch]:
+            self.unshard(target)
+
+    def _leave(self, key: str) -> None:
+        # Operators after a group's forward (or backward) belong to its parent's module.
+        self.current = self.groups[key].parent or self.root
+
+    def post_forward(self, key: str) -> None:
+        if self.phase != "forward":
+            return  # a checkpoint's recompute in backward: nothing resharded or reordered
+        self._leave(key)
         self.reshard(key, forward=True)
         self.indices[key].append(len(self.post_forward_order))
         self.post_forward_order.append(key)
+        if key == self.root and self.kept_input:
+            kept, self.kept_input = self.kept_input, 0
+            self.add("comm_buffers", -kept, key, "last all-gather input freed")
 
-    def backward(self, key: str) -> None:
+    def start_backward(self) -> None:
+        self.phase = "backward"
+
+    def pre_backward(self, key: str) -> None:
+        if key in self.pre_backward_done:
+            return
+        self.pre_backward_done.add(key)
+        self.current = key
         self.unshard(key)
         self.wait(key)
         if self.indices[key]:
@@ -195,41 +317,126 @@ class _Replay:
             for j in range(1, depth + 1):
                 if index - j >= 0:
                     self.unshard(self.post_forward_order[index - j])
-        g = self.groups[key]
-        if g.unsharded_grad_bytes:
-            self.held += g.unsharded_grad_bytes
-            self._record(key, "grads_computed", g.unsharded_grad_bytes)
-        for child in reversed(self.children.get(key, [])):
-            self.backward(child)
-        if not g.deferred_post_backward:
-            self.post_backward(key)
 
-    def post_backward(self, key: str) -> None:
+    def grads_computed(self, key: str) -> None:
+        """The group's unsharded gradients appear (a tensor-free replay's stand-in for them)."""
+        g = self.groups[key]
+        self.add("unsharded_grads", g.unsharded_grad_bytes, key, "grads computed")
+
+    def post_backward(self, key: str, free_grads: Callable[[], None] | None = None) -> None:
+        """``free_grads`` drops the caller's own unsharded gradients (the fake-tensor run's);
+        without it the replay's ``grads_computed`` bytes are freed."""
+        if key in self.post_backward_done:
+            return
+        self.post_backward_done.add(key)
+        self._leave(key)
         g = self.groups[key]
         self.reshard(key, forward=False)
-        if g.unsharded_grad_bytes:
-            self.grads += g.unsharded_grad_bytes
-            self._record(key, "grads_taken", g.unsharded_grad_bytes)
-            self.grads -= g.unsharded_grad_bytes
-            self.held -= g.unsharded_grad_bytes
-            self._record(key, "grads_reduced", -g.unsharded_grad_bytes)
+        if not g.unsharded_grad_bytes:
+            return
+        for red in self.all_reduces:
+            self._finish(red)
+        self.all_reduces.clear()
+        while self.reduce_scatters:
+            self._retire(self.reduce_scatters.pop(0))
+        self.add("comm_buffers", g.reduce_scatter_layout_bytes, key, "gradient re-layout")
+        self.add("comm_buffers", g.reduce_scatter_input_bytes, key, "reduce-scatter input")
+        self.add("comm_buffers", -g.reduce_scatter_layout_bytes, key, "re-layout freed")
+        if free_grads is not None:
+            free_grads()
+        else:
+            self.add("unsharded_grads", -g.unsharded_grad_bytes, key, "grads freed")
+        self.add("comm_buffers", g.reduce_scatter_output_bytes, key, "reduce-scatter output")
+        if g.reduce_scatter_output_bytes:
+            self.add("comm_buffers", g.backend_reduce_scatter_bytes, key, "backend staging")
+        elif g.all_reduce:  # nothing to reduce-scatter: the all-reduce is issued at once
+            self.add("comm_buffers", g.backend_all_reduce_bytes, key, "backend staging")
+        self.reduce_scatters.append(g)
 
-    def run(self) -> ScheduleResult:
-        self.phase = "forward"
-        self.forward(self.root)
-        self.phase = "backward"
-        self.backward(self.root)
+    def _retire(self, g: GroupTraffic) -> None:
+        if g.reduce_scatter_output_bytes:  # the input is released once the collective is done
+            self.add("comm_buffers", -g.backend_reduce_scatter_bytes, g.key, "backend done")
+            self.add("comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done")
+            if g.all_reduce:
+                self.add("comm_buffers", g.backend_all_reduce_bytes, g.key, "backend staging")
+        if g.all_reduce:
+            self.all_reduces.append(g)  # issued now, finished at the next post-backward
+        else:
+            self._finish(g)
+
+    def _finish(self, g: GroupTraffic) -> None:
+        if g.all_reduce:
+            self.add("comm_buffers", -g.backend_all_reduce_bytes, g.key, "all-reduce done")
+        out = g.reduce_scatter_output_bytes or g.reduce_scatter_input_bytes
+        if g.reduce_output_cast:  # cast to the parameters' dtype: a new tensor, then free
+            made = g.sharded_grad_bytes if self.set_to_none else 0
+            self.add("sharded_grads", made, g.key, "sharded grads (cast)")
+            if not self.set_to_none:  # the cast copy is added into the grads, then freed
+                self.add("comm_buffers", g.sharded_grad_bytes, g.key, "cast for accumulation")
+                self.add("comm_buffers", -g.sharded_grad_bytes, g.key, "accumulated")
+            self.add("comm_buffers", -out, g.key, "reduce output freed")
+        elif self.set_to_none:  # the output becomes the sharded gradients
+            self.bytes["comm_buffers"] -= out
+            self.add("sharded_grads", g.sharded_grad_bytes, g.key, "sharded grads")
+        else:  # added into the existing sharded gradients
+            self.add("comm_buffers", -out, g.key, "reduce output accumulated")
+
+    def final_callback(self) -> None:
         self.phase = "final_callback"
         for key in self.order:  # the root's state first, then the others in module order
-            if self.groups[key].deferred_post_backward:
+            self.post_backward(key)
+        for red in self.all_reduces:
+            self._finish(red)
+        self.all_reduces.clear()
+        for g in self.reduce_scatters:  # each finished in full, all-reduce included
+            if g.reduce_scatter_output_bytes:
+                self.add(
+                    "comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done"
+                )
+            self._finish(g)
+        self.reduce_scatters.clear()
+        self.phase = "after_backward"
+
+    # --- a tensor-free step over a sequential model -------------------------------------------
+    def walk(self) -> ScheduleResult:
+        children: dict[str | None, list[str]] = {}
+        for key in self.order:
+            children.setdefault(self.groups[key].parent, []).append(key)
+
+        def forward(key: str) -> None:
+            self.pre_forward(key)
+            for child in children.get(key, []):
+                forward(child)
+            self.post_forward(key)
+
+        def backward(key: str) -> None:
+            self.pre_backward(key)
+            self.grads_computed(key)
+            for child in reversed(children.get(key, [])):
+                backward(child)
+            if not self.groups[key].deferred_post_backward:
                 self.post_backward(key)
+
+        forward(self.root)
+        self.start_backward()
+        backward(self.root)
+        self.final_callback()
         return self.result
 
 
 def simulate_step(
-    groups: list[GroupTraffic], *, forward_prefetch: int = 0, backward_prefetch: int = 1
+    groups: list[GroupTraffic],
+    *,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
+    set_to_none: bool = True,
 ) -> ScheduleResult:
     """Replay one step over ``groups`` (forward order, root first); see Design note above."""
     if not groups:
         return ScheduleResult()
-    return _Replay(groups, forward_prefetch, backward_prefetch).run()
+    return Replay(
+        groups,
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        set_to_none=set_to_none,
+    ).walk()

@@ -1,9 +1,7 @@
-"""The engine's dim-0 sharding arithmetic and dtype rules, as closed forms over sizes.
+"""One parameter's per-rank layout, from the engine's own rules (``_sharding_rules``).
 
-Every rank holds ``ceil(dim0 / W)`` rows of padded storage (``torch.chunk``'s chunk size: the
-engine keeps a padded shard, and the flat group buffer, on every rank); rank ``r`` holds
-``clamp(dim0 - r * ceil(dim0 / W), 0, ceil(dim0 / W))`` real rows, so rank 0 holds the most and
-trailing ranks may hold none. No per-rank loop is ever needed.
+Every rank holds ``ceil(dim0 / W)`` rows of padded storage; rank 0 holds the most real rows and
+trailing ranks may hold none, so rank 0 and the last rank bound every rank: no per-rank loop.
 """
 
 from __future__ import annotations
@@ -11,7 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+from shardweave.fsdp._sharding_rules import (
+    padded_shard_size,
+    reduce_dtype,
+    shard_size,
+    unsharded_dtype,
+)
 
 __all__ = ["ParamLayout", "layout", "reduce_dtype", "unsharded_dtype"]
 
@@ -26,26 +29,10 @@ class ParamLayout:
     last_numel: int  # real elements on shard rank W - 1 (the fewest)
 
 
-def layout(shape: tuple[int, ...], world: int) -> ParamLayout:
-    dim0 = shape[0]
-    row = math.prod(shape[1:])
-    rows = -(-dim0 // world) if dim0 else 0
-    last_rows = max(0, min(rows, dim0 - (world - 1) * rows))
-    return ParamLayout(dim0 * row, rows * row, min(rows, dim0) * row, last_rows * row)
-
-
-def unsharded_dtype(orig: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
-    """The all-gather / compute dtype: ``param_dtype`` applies to floating-point params only."""
-    if param_dtype is None or not orig.is_floating_point:
-        return orig
-    return param_dtype
-
-
-def reduce_dtype(
-    orig: torch.dtype, param_dtype: torch.dtype | None, policy_reduce: torch.dtype | None
-) -> torch.dtype:
-    """The reduce-scatter dtype: the policy's, unless it equals the policy's ``param_dtype``
-    (then the gradients' own dtype, which is the compute dtype)."""
-    if policy_reduce is not None and policy_reduce != param_dtype:
-        return policy_reduce
-    return unsharded_dtype(orig, param_dtype)
+def layout(shape: tuple[int, ...], world: int, dim: int = 0) -> ParamLayout:
+    return ParamLayout(
+        math.prod(shape),
+        math.prod(padded_shard_size(shape, world, dim)),
+        math.prod(shard_size(shape, world, 0, dim)),
+        math.prod(shard_size(shape, world, world - 1, dim)),
+    )

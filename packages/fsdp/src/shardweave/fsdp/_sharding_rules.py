@@ -1,0 +1,67 @@
+"""The sharding and dtype rules as closed forms over sizes: one source for the engine
+(``FSDPParam``) and the planner (``plan``), so a prediction cannot drift from what is done.
+
+Padding: a parameter is cut along its shard dim as ``torch.chunk`` cuts it, ``ceil(n / W)``
+rows per chunk, so rank ``r`` holds ``clamp(n - r * ceil(n / W), 0, ceil(n / W))`` real rows and
+every rank keeps a padded shard of ``ceil(n / W)`` rows (chunk 0, always the largest).
+
+Dtypes: a ``param_dtype`` applies to floating-point parameters only and is dropped when it
+equals the parameter's own dtype; a ``reduce_dtype`` equal to the policy's ``param_dtype`` is
+dropped too (the gradient already arrives in it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "chunk_rows",
+    "padded_shard_size",
+    "reduce_dtype",
+    "resolve_dtypes",
+    "shard_size",
+    "unsharded_dtype",
+]
+
+
+def chunk_rows(n: int, world: int) -> int:
+    """Rows per chunk when ``n`` rows are cut into ``world`` chunks (``torch.chunk``'s size)."""
+    return -(-n // world) if n else 0
+
+
+def padded_shard_size(size: Sequence[int], world: int, dim: int = 0) -> torch.Size:
+    """The padded shard every rank holds (chunk 0's size)."""
+    return torch.Size([*size[:dim], chunk_rows(size[dim], world), *size[dim + 1 :]])
+
+
+def shard_size(size: Sequence[int], world: int, rank: int, dim: int = 0) -> torch.Size:
+    """Rank ``rank``'s real (unpadded) shard; the other dims are kept when it is empty."""
+    rows = chunk_rows(size[dim], world)
+    real = max(0, min(rows, size[dim] - rank * rows))
+    return torch.Size([*size[:dim], real, *size[dim + 1 :]])
+
+
+def resolve_dtypes(
+    orig: torch.dtype, param_dtype: torch.dtype | None, reduce: torch.dtype | None
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The ``(param_dtype, reduce_dtype)`` a parameter really uses; ``None`` means "its own"
+    (the original dtype for the all-gather, the gradient's dtype for the reduction)."""
+    if reduce == param_dtype:
+        reduce = None  # the gradient already arrives in that dtype
+    if param_dtype == orig or not orig.is_floating_point:
+        param_dtype = None
+    return param_dtype, reduce
+
+
+def unsharded_dtype(orig: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The all-gather and compute dtype."""
+    return resolve_dtypes(orig, param_dtype, None)[0] or orig
+
+
+def reduce_dtype(
+    orig: torch.dtype, param_dtype: torch.dtype | None, policy_reduce: torch.dtype | None
+) -> torch.dtype:
+    """The reduce-scatter dtype (the gradients arrive in the unsharded dtype)."""
+    return resolve_dtypes(orig, param_dtype, policy_reduce)[1] or unsharded_dtype(orig, param_dtype)

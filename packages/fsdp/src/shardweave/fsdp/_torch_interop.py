@@ -1,0 +1,107 @@
+"""How torch's own components recognize modules shardweave manages.
+
+Frameworks and torch itself switch behavior on ``isinstance(m, torch.distributed.fsdp.FSDPModule)``
+(torchtitan's gradient division, Lightning Fabric's ``no_backward_sync``, torch's
+``PipelineStage`` and pipeline schedules). A module that fails that check is not an error for
+them: they silently take the non-FSDP path (averaged gradients, a reduce-scatter per micro-batch).
+So the classes ``fully_shard`` and ``replicate`` create also derive from torch's public
+``FSDPModule``, as a marker only: it comes after ours in the MRO, so every method a caller reaches
+through it is ours, and no torch engine object is ever created.
+
+``PipelineStage`` also reads our state through torch's composable-API accessor
+(``torch.distributed.fsdp.fully_shard.state(module)``), which looks the state up in
+``module.__dict__[STATE_KEY]`` keyed by torch's function object. ``TorchStateSlot`` answers that
+lookup with our state, recognizing torch's functions by name so that this package never imports
+them.
+
+Nothing here is imported until ``fully_shard`` or ``replicate`` is first called: importing
+shardweave never loads ``torch.distributed.fsdp``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from shardweave.fsdp._fsdp_state import FSDPState
+
+__all__ = ["TorchStateSlot", "expose_state_to_torch", "managed_by_torch", "torch_marker_bases"]
+
+# torch's composable APIs, by (module, name) of the function its ``contract`` returns, and the
+# shardweave APIs whose state each one's ``.state(module)`` returns. torch's ``fully_shard`` answers
+# for our ``replicate`` too: torch's PipelineStage asks ``fully_shard.state`` of any FSDPModule that
+# is not torch's own ReplicateModule (a class this package does not import, so ours is never one).
+_TORCH_APIS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "fully_shard"): (
+        "fully_shard",
+        "replicate",
+    ),
+    ("torch.distributed._composable.replicate_with_fsdp", "replicate"): ("replicate",),
+}
+
+
+@functools.cache
+def torch_marker_bases() -> tuple[type, ...]:
+    """torch's public ``FSDPModule`` as the one extra base of the classes we create, or none.
+
+    None when torch has no ``torch.distributed.fsdp`` (a build without distributed), or when
+    that name is already shardweave's own class (a process that swapped torch's public names for
+    ours, as tools/torch_fsdp_suite.py does, where the marker would be a duplicate base)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule as marker  # noqa: TID251 (the marker only)
+    except ImportError:
+        return ()
+    from shardweave.fsdp._fully_shard import FSDPModule
+
+    if not isinstance(marker, type) or issubclass(marker, FSDPModule):
+        return ()
+    return (marker,)
+
+
+def managed_by_torch(module: nn.Module) -> bool:
+    """Whether torch's own ``fully_shard`` (or its ``replicate``) was applied to ``module``.
+
+    Imports nothing: when torch's FSDP was never loaded, no module can be one of its."""
+    if "torch.distributed.fsdp" not in sys.modules or not torch_marker_bases():
+        return False
+    from shardweave.fsdp._fully_shard import FSDPModule
+
+    return isinstance(module, torch_marker_bases()[0]) and not isinstance(module, FSDPModule)
+
+
+class TorchStateSlot(dict[Any, Any]):
+    """``module.__dict__[STATE_KEY]`` of a module shardweave manages.
+
+    torch's contract-made ``api.state(module)`` reads this dict with ``.get(api)``; for torch's
+    FSDP2 APIs it gets our state. Other composable APIs (torch's activation ``checkpoint``, say)
+    store and find their own states in it as in a plain dict."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: FSDPState, existing: dict[Any, Any]) -> None:
+        super().__init__(existing)
+        self._state = state
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        found = super().get(key, _MISSING)
+        if found is not _MISSING:
+            return found
+        api = (getattr(key, "__module__", None), getattr(key, "__name__", None))
+        if self._state.api_name in _TORCH_APIS.get(api, ()):  # type: ignore[arg-type]
+            return self._state
+        return default
+
+
+_MISSING = object()
+
+
+def expose_state_to_torch(module: nn.Module, state: FSDPState) -> None:
+    """Let torch's ``fully_shard.state(module)`` (and ``replicate.state``) find ``state``."""
+    from torch.distributed._composable.contract import STATE_KEY as key
+
+    existing = module.__dict__.get(key)
+    module.__dict__[key] = TorchStateSlot(state, existing if isinstance(existing, dict) else {})

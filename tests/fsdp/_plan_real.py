@@ -1,0 +1,249 @@
+"""The planner against real runs: one rank's measurements of a ``fully_shard`` training step
+and the plan's predictions for that rank (bodies for ``tests/fsdp/world_*/test_plan_vs_real``).
+
+Peak live tensor bytes are counted as the benchmark counts them (``benchmarks/run.py``, "Peak
+live tensor bytes"): ``torch.profiler`` with ``profile_memory=True`` runs from before the model
+is built, every CPU allocation event carries the allocator's running total, and the peak is the
+largest total inside the measured step's window (forward and backward, after a warm-up step so
+optimizer state exists). Gathered parameters are sampled at every operator of the step (what
+modules compute with is only ever read by operators).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
+from shardweave.fsdp._fsdp_state import get_fsdp_state
+from shardweave.fsdp.plan import Plan, plan
+from tests.fsdp._models import TinyGPT
+
+WINDOW = "shardweave_test::plan_step"
+# Activations well above one group's gathered bytes: gloo frees its staging copies on its own
+# threads' schedule, which moves the measured peak by up to a group's all-gather size.
+GPT_INPUT = (8, 32)
+MLP_INPUT = (256, 24)
+
+
+def gpt(checkpoint: bool = False) -> TinyGPT:
+    model = TinyGPT(vocab=67, dim=32, layers=8, seq=32)
+    model.checkpoint = checkpoint
+    return model
+
+
+def gpt_ac() -> TinyGPT:
+    return gpt(checkpoint=True)
+
+
+def mlp_stack() -> nn.Sequential:
+    """Odd widths: padded shards at 2 and 4 ranks."""
+    return nn.Sequential(
+        nn.Linear(24, 67), nn.ReLU(), nn.Linear(67, 45), nn.ReLU(), nn.Linear(45, 3)
+    )
+
+
+FACTORIES = {"gpt": gpt, "gpt_ac": gpt_ac, "mlp": mlp_stack}
+
+
+def dim1_where_even(param: nn.Parameter) -> Shard | None:
+    """``shard_placement_fn``: matrices whose dim 1 is a multiple of 4 shard on dim 1."""
+    return Shard(1) if param.ndim == 2 and param.shape[1] % 4 == 0 else None
+
+
+def make_input(kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "mlp":
+        return torch.randn(*MLP_INPUT, generator=g)
+    return torch.randint(0, 67, GPT_INPUT, generator=g)
+
+
+def loss_of(kind: str) -> Any:
+    def mlp_loss(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).sum()
+
+    def gpt_loss(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        target = torch.roll(inp, -1, dims=1)
+        return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1), reduction="sum")
+
+    return mlp_loss if kind == "mlp" else gpt_loss
+
+
+def plan_for(cfg: dict[str, Any], world: int) -> Plan:
+    kind = cfg["kind"]
+    return plan(
+        FACTORIES[kind],
+        mesh=cfg.get("mesh", world),
+        wrap="Linear" if kind == "mlp" else "Block",
+        mp_policy="bf16" if cfg.get("mp") else None,
+        reduce_dtype="fp32" if cfg.get("mp") else None,
+        reshard_after_forward=cfg.get("reshard", True),
+        optimizer=cfg.get("optim", "adamw"),
+        sample_input=(MLP_INPUT, torch.float32) if kind == "mlp" else (GPT_INPUT, torch.long),
+        loss_fn=loss_of(kind),
+        backend="gloo",
+        shard_placement_fn=dim1_where_even if cfg.get("placement") else None,
+    )
+
+
+class _GatheredSampler(TorchDispatchMode):
+    """Peak bytes of unsharded parameters allocated (not aliasing shards), and of unsharded
+    gradients (on the unsharded parameters, or the inputs of a reduction's copy into its
+    reduce-scatter input), at every op."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.params = [
+            p
+            for m in model.modules()
+            if (s := get_fsdp_state(m)) is not None
+            for g in s._fsdp_param_groups
+            for p in g.fsdp_params
+        ]
+        self.peak = 0
+        self.grad_peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        live = 0
+        grads: dict[int, int] = {}
+        for p in self.params:
+            out = getattr(p, "all_gather_output", None)
+            if out is not None and not p._aliases_shard:
+                live += out.untyped_storage().nbytes()
+            unsharded = p._unsharded_param
+            if unsharded is not None and unsharded.grad is not None:
+                storage = unsharded.grad.untyped_storage()
+                grads[storage.data_ptr()] = storage.nbytes()
+        if func.overloadpacket is torch.ops.aten._chunk_cat:  # a reduction copying grads in
+            for g in args[0]:
+                grads[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
+        self.peak = max(self.peak, live)
+        self.grad_peak = max(self.grad_peak, sum(grads.values()))
+        return func(*args, **(kwargs or {}))
+
+
+def _peak_in_window(prof: Any) -> tuple[int, int]:
+    """(peak, total before the window) of live CPU tensor bytes; see the module docstring."""
+    from torch._C._profiler import _EventType
+
+    events: list[Any] = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        ev = todo.pop()
+        events.append(ev)
+        todo.extend(ev.children)
+    (window,) = [e for e in events if e.name == WINDOW]
+    allocs = sorted(
+        (e.start_time_ns, e.typed[1].total_allocated, e.typed[1].alloc_size)
+        for e in events
+        if e.tag == _EventType.Allocation and e.typed[1].device.type == "cpu"
+    )
+    offset = allocs[0][1] - allocs[0][2]
+    before_events = [total for t, total, _ in allocs if t < window.start_time_ns]
+    before = before_events[-1] - offset if before_events else 0
+    inside = [
+        total - offset for t, total, _ in allocs if window.start_time_ns <= t <= window.end_time_ns
+    ]
+    return max([before, *inside]), before
+
+
+def _storage_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t  # type: ignore[operator]
+        s = local.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    seen.pop(0, None)
+    return sum(seen.values())
+
+
+def _mesh(cfg: dict[str, Any], world: int) -> DeviceMesh:
+    shape = cfg.get("mesh", world)
+    if isinstance(shape, tuple):
+        return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """This rank's measured lines and peak, with the plan's predictions for this rank."""
+    kind = cfg["kind"]
+    mesh = _mesh(cfg, world)
+    shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
+    last = shard_mesh.get_local_rank() == shard_mesh.size() - 1
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if cfg.get("mp"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    if cfg.get("placement"):
+        kwargs["shard_placement_fn"] = dim1_where_even
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with prof:
+        torch.manual_seed(0)
+        model = FACTORIES[kind]()
+        blocks = (
+            [m for m in model.modules() if isinstance(m, nn.Linear)]
+            if kind == "mlp"
+            else list(model.layers)  # type: ignore[union-attr]
+        )
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=cfg.get("reshard", True), **kwargs)
+        fully_shard(model, **kwargs)
+        opt: torch.optim.Optimizer = (
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if cfg.get("optim") == "sgd_momentum"
+            else torch.optim.AdamW(model.parameters(), lr=1e-3)
+        )
+        batch = make_input(kind, rank)
+        loss_fn = loss_of(kind)
+        loss_fn(model(batch), batch).backward()
+        opt.step()
+        opt.zero_grad()
+        sampler = _GatheredSampler(model)
+        with record_function(WINDOW), sampler:
+            loss = loss_fn(model(batch), batch)
+            loss.backward()
+            del loss
+        groups = [
+            g for m in model.modules() if (s := get_fsdp_state(m)) for g in s._fsdp_param_groups
+        ]
+        sharded = sum(g._flat_sharded.numel() * g._flat_sharded.element_size() for g in groups)
+        grads = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        opt_bytes = sum(
+            v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        opt.zero_grad()
+    peak, before = _peak_in_window(prof)
+    predicted = plan_for(cfg, world)
+    act = predicted.activations
+    assert act is not None
+    who = "last_shard_rank" if last else "rank0"
+    return {
+        "measured": {
+            "sharded_params": sharded,
+            "sharded_grads": grads,
+            "optimizer_state": opt_bytes,
+            "peak_gathered_params": sampler.peak,
+            "peak_unsharded_grads": sampler.grad_peak,
+            "peak": peak,
+            "before": before,
+        },
+        "predicted": {
+            "sharded_params": predicted.sharded_param_bytes,
+            "sharded_grads": predicted.grad_bytes,
+            "optimizer_state": predicted.ranks[who]["optimizer_state_bytes"],
+            "peak_gathered_params": predicted.peak_gathered_param_bytes,
+            "peak_unsharded_grads": act.peaks["unsharded_grads"],
+            "peak": act.last_shard_rank_peak_bytes if last else act.peak_bytes,
+            "peak_at": f"{act.peak_phase} {act.peak_group} {act.peak_event}",
+        },
+    }
