@@ -6,10 +6,13 @@ user into a folder, never into this repository. Each file is run by pytest in a 
 
 * ``torch``: the baseline, torch's own engine;
 * ``shardweave``: a generated ``sitecustomize.py``, first on ``PYTHONPATH``, replaces torch's
-  public FSDP2 names (``fully_shard``, ``FSDPModule``, the policies, ``UnshardHandle``,
+  public FSDP2 names (``fully_shard``, the policies, ``UnshardHandle``,
   ``register_fsdp_forward_method``, ``share_comm_ctx``, and ``replicate`` of
   ``torch.distributed._composable.replicate_with_fsdp``) with shardweave's in every Python process,
-  spawned ranks included, before any test module imports them. A pytest plugin checks that the
+  spawned ranks included, before any test module imports them. ``FSDPModule`` stays torch's: the
+  classes shardweave's ``fully_shard`` creates derive from torch's public ``FSDPModule`` (looked up
+  at the first call), so torch's name must still be torch's class, and the tests' ``isinstance``
+  checks then exercise exactly that. A pytest plugin checks that the
   swap took (``torch.distributed.fsdp.fully_shard is shardweave.fsdp.fully_shard``) and stops the
   run otherwise; each process that swapped writes a marker, and the runner fails without one.
 
@@ -52,9 +55,8 @@ ENGINES: Final[tuple[str, ...]] = ("torch", "shardweave")
 # The names swapped, per torch module, and where shardweave has them. A name is patched only
 # where the torch module has it (older torch releases lack some); names shardweave lacks are
 # reported and left as torch's.
-FSDP_NAMES: Final[tuple[str, ...]] = (
+FSDP_NAMES: Final[tuple[str, ...]] = (  # not FSDPModule: see the module docstring
     "fully_shard",
-    "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
