@@ -24,8 +24,9 @@ multi-process ``FSDPTest`` classes CPU-capable (``skip_if_lt_x_gpu(n, allow_cpu=
 world size), and upstream's ``FSDPTest._run`` skips for too few accelerators only when
 ``DEVICE_TYPE`` is not ``"cpu"``. The installed ``common_fsdp`` may still skip every rank whenever
 ``torch.accelerator.device_count() < world_size``, which on a CPU-only machine is always; the
-harness makes that one check (the call from ``common_fsdp``'s ``_run``, with ``DEVICE_TYPE``
-``"cpu"``) see enough devices, so those classes run on gloo as upstream intends. Tests whose own
+harness makes that check (the calls from ``common_fsdp``'s ``FSDPTest._run`` and
+``FSDPTestContinuous._init_pg``, with ``DEVICE_TYPE`` ``"cpu"``) see enough devices, so those
+classes run on gloo as upstream intends. Tests whose own
 decorators require GPUs still skip.
 
 Usage:
@@ -85,11 +86,12 @@ _real_device_count = _torch.accelerator.device_count
 
 
 def _device_count(*args, **kwargs):
-    # Only the accelerator-count skip at the start of common_fsdp's FSDPTest._run sees a
-    # CPU-only machine as having enough devices (upstream skips there only off CPU).
+    # Only the accelerator-count skips of common_fsdp's FSDPTest._run and
+    # FSDPTestContinuous._init_pg see a CPU-only machine as having enough devices (upstream
+    # skips there only off CPU).
     caller = _sys._getframe(1)
     if (
-        caller.f_code.co_name == "_run"
+        caller.f_code.co_name in ("_run", "_init_pg")
         and caller.f_globals.get("__name__") == "torch.testing._internal.common_fsdp"
         and caller.f_globals.get("DEVICE_TYPE") == "cpu"
     ):
