@@ -38,7 +38,8 @@ def test_skipped():
 class TestSwap(unittest.TestCase):
     def test_names(self):
         self.assertIs(fully_shard, shardweave.fsdp.fully_shard)
-        self.assertIs(FSDPModule, shardweave.fsdp.FSDPModule)
+        # torch's class stays: shardweave's module classes derive from it
+        self.assertIsNot(FSDPModule, shardweave.fsdp.FSDPModule)
         self.assertIs(replicate, shardweave.replicate.replicate)
 """
 
@@ -108,3 +109,31 @@ def test_failure_reason_unwraps_rank_exception(tool: ModuleType) -> None:
     reason = tool.failure_reason("RuntimeError: Thread 1 exited with exception:", text)
     assert reason == "AttributeError: 'FSDPState' object has no attribute '_fsdp_param_group'"
     assert tool.failure_reason("assert 1 == 2\nmore", "") == "assert 1 == 2"
+
+
+FAKE_FSDPTEST = """\
+import torch.distributed as dist
+from torch.testing._internal.common_fsdp import FSDPTest
+
+
+class TestTwoRanks(FSDPTest):
+    @property
+    def world_size(self):
+        return 2
+
+    def test_runs_on_gloo(self):
+        self.assertEqual(dist.get_world_size(), 2)
+        self.assertEqual(dist.get_backend(), "gloo")
+"""
+
+
+def test_cpu_fsdptest_runs_on_gloo(tool: ModuleType, tmp_path: Path) -> None:
+    """The harness: a multi-process FSDPTest runs its ranks on a CPU-only machine (the installed
+    common_fsdp alone skips every rank there for too few accelerators)."""
+    (tmp_path / "test_fake_ranks.py").write_text(FAKE_FSDPTEST)
+    out = tmp_path / "report.json"
+    tool.main(["--tests", str(tmp_path), "--only", "torch", "--timeout", "120", "--out", str(out)])
+    rows = json.loads(out.read_text())["tests"]
+    assert [(r["test"], r["torch"]["result"]) for r in rows] == [
+        ("test_fake_ranks.py::TestTwoRanks::test_runs_on_gloo", "passed")
+    ]

@@ -103,3 +103,37 @@ def partial_group_forward(rank: int, world: int) -> None:
 def test_partial_group_forward(world2: WorkerPool) -> None:
     """Oracles: reference and compatibility; a grouped state whose modules do not all run."""
     world2.run(partial_group_forward)
+
+
+def per_chunk_backward(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    tmodel = copy.deepcopy(model)
+    for m, api in ((model, fully_shard), (tmodel, torch_fully_shard)):
+        api([m.head, m.aux])
+        api(m)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    seen: dict[str, list[torch.Tensor | None]] = {}
+    for name, m in (("ours", model), ("torch", tmodel)):
+        seen[name] = []
+        for step in range(2):
+            hidden = m(x)
+            chunk_grads = []
+            for chunk in hidden.detach().chunk(2):
+                chunk.requires_grad_(True)
+                m.head(chunk).sum().backward()  # the head alone: no hook of the forward above
+                grad = m.head.weight.grad  # type: ignore[union-attr]
+                seen[name].append(None if grad is None else grad.full_tensor())  # type: ignore[union-attr]
+                chunk_grads.append(chunk.grad)
+            hidden.backward(torch.cat(chunk_grads))  # type: ignore[arg-type]
+            m.zero_grad(set_to_none=step == 0)
+    for i, (ours, theirs) in enumerate(zip(seen["ours"], seen["torch"], strict=True)):
+        assert theirs is not None and ours is not None, f"backward {i}: head gradient missing"
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=f"backward {i}")
+    assert_same_as_torch(model, tmodel)
+
+
+def test_grouped_module_backward_on_its_own(world2: WorkerPool) -> None:
+    """Oracle: compatibility. A module of a grouped call run and backpropagated on its own (the
+    chunked-loss head) has its reduced gradient at the end of each such backward, as torch's."""
+    world2.run(per_chunk_backward)

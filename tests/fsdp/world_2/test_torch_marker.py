@@ -168,3 +168,28 @@ def test_training_never_builds_torch_engine(world2: WorkerPool, api: str) -> Non
     engine over 3 SGD steps, with gradient accumulation switched through torch's isinstance
     check, while torch's engine constructors raise."""
     world2.run(no_torch_engine, api)
+
+
+def cast_after_init(rank: int, world: int) -> None:
+    base = make_model("mlp")
+    model, torch_model = copy.deepcopy(base), copy.deepcopy(base)
+    for m, api in ((model, fully_shard), (torch_model, torch_fully_shard)):
+        shard_blocks(m, api)
+        m.to(torch.float64)  # through nn.Module._apply, past torch's marker base in our MRO
+    for step in range(2):
+        inp = make_batch("mlp", seed=10 * step + rank).double()
+        for m in (model, torch_model):
+            loss_fn("mlp", m(inp), inp).backward()
+        assert_same_as_torch(model, torch_model, f"step {step}")
+        for m in (model, torch_model):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(0.1 * p.grad)  # type: ignore[operator]
+            m.zero_grad(set_to_none=True)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+
+
+def test_cast_after_init(world2: WorkerPool) -> None:
+    """Compatibility: ``.to(torch.float64)`` after fully_shard trains bitwise like torch's engine
+    (our ``_apply`` reaches nn.Module's without running torch's marker ``_apply``)."""
+    world2.run(cast_after_init)

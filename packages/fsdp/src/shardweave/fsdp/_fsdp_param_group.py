@@ -257,6 +257,9 @@ class FSDPParamGroup:
         self._reshard_after_forward_event: Any = None
         # RegisterPostBackwardFunction's work; see Design note: hooks run eagerly (_fsdp_common).
         self.post_backward_hook = run_eagerly(self.post_backward)
+        # Set by the owning state at lazy init; run after a post-backward that autograd ran, so
+        # the reduction it issued lands by the end of that backward (see FSDPState).
+        self.after_autograd_post_backward: Callable[[], None] | None = None
         self._flatten_sharded_storage()
 
     # --- communication controls ---------------------------------------------------------------
@@ -865,7 +868,10 @@ class RegisterPostBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ctx.group.post_backward_hook()
+        group: FSDPParamGroup = ctx.group
+        group.post_backward_hook()
+        if group.after_autograd_post_backward is not None:
+            group.after_autograd_post_backward()
         return (None, *grads)
 
 

@@ -47,6 +47,7 @@ class FSDPStateContext:
         # states that did not run and releases forward-only resources at its post-forward.
         self.iter_forward_root: FSDPState | None = None
         self.post_backward_final_callback_queued = False
+        self.reductions_callback_queued = False
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
 
@@ -97,6 +98,7 @@ class FSDPState:
         self.post_forward_hook = run_eagerly(self._post_forward)
         self._pre_backward_hook = run_eagerly(self._pre_backward)
         self._final_callback = run_eagerly(self._root_post_backward_final_callback)
+        self._reductions_callback = run_eagerly(self._finish_reductions_at_backward_end)
         self._register_forward_hooks()
 
     def detach(self) -> None:
@@ -246,6 +248,7 @@ class FSDPState:
             count = len(state._fsdp_param_groups)
             for i, group in enumerate(state._fsdp_param_groups):
                 group.comm_ctx = self._comm_ctx
+                group.after_autograd_post_backward = state._ensure_reductions_finish
                 group._param_group_index = i
                 group._num_param_groups = count
         self.update_reduce_scatter_max_input_buffers()
@@ -402,6 +405,26 @@ class FSDPState:
         ctx.post_backward_final_callback_queued = True
         Variable._execution_engine.queue_callback(self._final_callback)
 
+    def _ensure_reductions_finish(self) -> None:
+        """After a group's post-backward that autograd ran: if no pre-backward hook queued the
+        final callback, this backward saw none of this iteration's hooked outputs (a module of a
+        grouped call run on its own, say a chunked-loss head per chunk). Its reduction must still
+        land when the backward ends, as torch's does, not one backward later."""
+        ctx = self._state_ctx
+        if ctx.post_backward_final_callback_queued or ctx.reductions_callback_queued:
+            return
+        ctx.reductions_callback_queued = True
+        Variable._execution_engine.queue_callback(self._reductions_callback)
+
+    def _finish_reductions_at_backward_end(self) -> None:
+        # Only the reductions: the iteration's states stay as they are for the backward through
+        # the rest of the model, which runs the final callback.
+        try:
+            self._comm_ctx.grad_buckets.finish()
+            self._comm_ctx.finish_reductions()
+        finally:
+            self._state_ctx.reductions_callback_queued = False
+
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._state_ctx
         try:
@@ -442,3 +465,4 @@ class FSDPState:
         self._comm_ctx.abandon_reductions()
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
+        ctx.reductions_callback_queued = False

@@ -491,11 +491,7 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers rebuild themselves with type(self)(...) (e.g. nn.Sequential slicing); that
         # must produce a plain module, not one that looks sharded but has no state.
-        # The first nn.Module class that is not ours: torch's marker base is not an nn.Module.
-        orig = next(
-            c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
-        )
-        return orig(*args, **kwargs)
+        return _plain_module_class(cls)(*args, **kwargs)
 
     def _get_fsdp_state(self) -> FSDPState:
         state = get_fsdp_state(cast(nn.Module, self))
@@ -834,10 +830,21 @@ class FSDPModule:
         # .to(), .double(), to_empty(): convert the sharded DTensors, then re-adopt them (new
         # storage means new padding and a new flat buffer).
         self.reshard()
-        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        # Not super(): next in the MRO is torch's FSDPModule marker, whose _apply would reset our
+        # parameters itself (then ours would see nothing changed and keep stale buffers).
+        module = cast(nn.Module, self)
+        ret = _plain_module_class(type(self))._apply(module, *args, **kwargs)  # type: ignore[no-untyped-call]
         for group in self._get_fsdp_state()._fsdp_param_groups:
             group.reset_sharded_params()
         return ret
+
+
+def _plain_module_class(cls: type) -> type[nn.Module]:
+    """The first nn.Module class of ``cls``'s MRO that is not ours (torch's marker base is not
+    an nn.Module): the module's own class."""
+    return next(
+        c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule)
+    )
 
 
 def _check_fsdp_modules(modules: object, api: str) -> None:
