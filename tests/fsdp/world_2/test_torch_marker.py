@@ -149,6 +149,26 @@ def no_torch_engine(rank: int, world: int, api: str) -> None:
         assert_same_as_torch(model, torch_model, api)
 
 
+def private_internals_named(rank: int, world: int) -> None:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    assert not hasattr(fully_shard.state(model), "_fsdp_param_group")  # as for any missing name
+    opt = torch.optim.Adam(model.parameters())
+    tracker = FSDPMemTracker(model, opt)  # passes torch's isinstance check, then reads internals
+    with pytest.raises(AttributeError, match="private attribute of torch's engine") as err:
+        tracker.__enter__()
+    assert "shardweave.fsdp.trace" in str(err.value), err.value
+
+
+def test_torch_private_internals_are_named(world2: WorkerPool) -> None:
+    """Closed form: code reaching into torch's engine internals through the marker (torch's
+    FSDPMemTracker) gets an AttributeError that says why and what to use instead."""
+    world2.run(private_internals_named)
+
+
 def test_marker_identity(world2: WorkerPool) -> None:
     """Closed form: isinstance of both classes, ours first in the MRO, every method torch's
     class defines resolved to ours; compatibility: torch's ``fully_shard.state`` and

@@ -101,6 +101,19 @@ class FSDPState:
         self._reductions_callback = run_eagerly(self._finish_reductions_at_backward_end)
         self._register_forward_hooks()
 
+    @property
+    def _fsdp_param_group(self) -> None:
+        # torch's FSDPState has this private attribute; code that reads it (torch's
+        # FSDPMemTracker, some of torch's own tests) reaches into torch's engine, which ours is
+        # not. Still an AttributeError (hasattr stays False), with a sentence that says so.
+        raise AttributeError(
+            "'FSDPState' object has no attribute '_fsdp_param_group': this is shardweave's "
+            "FSDPState, and _fsdp_param_group is a private attribute of torch's engine. Code that "
+            "reaches into torch's FSDP internals (e.g. torch.distributed._tools.FSDPMemTracker) "
+            "does not work with shardweave; for memory and timing, use shardweave.fsdp.trace, "
+            "and shardweave.fsdp.plan to predict the peak"
+        )
+
     def detach(self) -> None:
         """Undo the registration (a failed ``fully_shard`` leaves the modules untouched)."""
         for handle in self._hook_handles:
