@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.tools._load import load_tool
+
 DEPS = {"mesh": [], "fsdp": ["mesh"], "replicate": ["mesh", "fsdp"], "extensions": ["mesh"]}
 
 
 @pytest.fixture(scope="module")
 def tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "check_layout", REPO / "tools" / "check_layout.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["check_layout"] = module  # dataclasses and typing look modules up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("check_layout")
 
 
 def _write(path: Path, text: str = "") -> None:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.tools._load import load_tool
 
 FAKE_TESTS = """\
 import unittest
@@ -46,14 +44,7 @@ class TestSwap(unittest.TestCase):
 
 @pytest.fixture(scope="module")
 def tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "torch_fsdp_suite", REPO / "tools" / "torch_fsdp_suite.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["torch_fsdp_suite"] = module  # dataclasses look modules up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("torch_fsdp_suite")
 
 
 def test_sitecustomize_compiles(tool: ModuleType) -> None:
