@@ -100,6 +100,13 @@ def test_failure_reason_unwraps_rank_exception(tool: ModuleType) -> None:
     reason = tool.failure_reason("RuntimeError: Thread 1 exited with exception:", text)
     assert reason == "AttributeError: 'FSDPState' object has no attribute '_fsdp_param_group'"
     assert tool.failure_reason("assert 1 == 2\nmore", "") == "assert 1 == 2"
+    worker = (
+        "E   RuntimeError: Exception in worker process:\n"
+        "E   Traceback (most recent call last):\n"
+        "E   AttributeError: 'FSDPState' object has no attribute '_fsdp_param_group'\n"
+    )
+    reason = tool.failure_reason("RuntimeError: Exception in worker process:", worker)
+    assert reason == "AttributeError: 'FSDPState' object has no attribute '_fsdp_param_group'"
 
 
 FAKE_FSDPTEST = """\
@@ -128,3 +135,38 @@ def test_cpu_fsdptest_runs_on_gloo(tool: ModuleType, tmp_path: Path) -> None:
     assert [(r["test"], r["torch"]["result"]) for r in rows] == [
         ("test_fake_ranks.py::TestTwoRanks::test_runs_on_gloo", "passed")
     ]
+
+
+FAKE_CONTINUOUS = """\
+import unittest
+
+
+class TestSharedGroup(unittest.TestCase):
+    # Stands in for torch's MultiProcContinuousTest: after one test of the class fails, it
+    # skips the rest with this message.
+    failed = False
+
+    def test_a_fails(self):
+        type(self).failed = True
+        self.fail("boom")
+
+    def test_b_after(self):
+        if type(self).failed:
+            self.skipTest("Previous test failed, skipping test_b_after")
+"""
+
+
+def test_cascade_skip_runs_alone(tool: ModuleType, tmp_path: Path) -> None:
+    """A test skipped only because a class-mate failed is run again on its own, and that
+    outcome is the one reported."""
+    (tmp_path / "test_fake_cascade.py").write_text(FAKE_CONTINUOUS)
+    out = tmp_path / "report.json"
+    tool.main(["--tests", str(tmp_path), "--only", "torch", "--timeout", "60", "--out", str(out)])
+    report = json.loads(out.read_text())
+    results = {row["test"]: row["torch"]["result"] for row in report["tests"]}
+    assert results == {
+        "test_fake_cascade.py::TestSharedGroup::test_a_fails": "failed",
+        "test_fake_cascade.py::TestSharedGroup::test_b_after": "passed",
+    }
+    run = report["runs"]["test_fake_cascade.py"]["torch"]
+    assert run["rerun_alone"] == ["test_fake_cascade.py::TestSharedGroup::test_b_after"]
