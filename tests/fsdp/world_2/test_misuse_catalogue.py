@@ -725,14 +725,14 @@ CASES: Final[list[Case]] = [
         "grouped_modules_run_alone",
         _grouped_forward,
         RuntimeError,
-        r"single root module",
+        r"FSDP requires a single root module",
         r"forward through a module",
     ),
     Case(
         "child_forward_before_root",
         _child_first,
         RuntimeError,
-        r"already lazily initialized",
+        r"FSDP state has already been lazily initialized",
         r"running forward through the root",
     ),
     Case(

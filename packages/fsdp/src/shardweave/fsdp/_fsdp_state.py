@@ -56,6 +56,9 @@ class FSDPState:
     """Hooks and root logic for the module(s) of one ``fully_shard`` call."""
 
     api_name = "fully_shard"
+    # torch's name for this kind of state in its root-check messages; users' and torch's own
+    # tests match on those sentences, so ours start with them.
+    torch_state_name = "FSDP"
 
     def __init__(
         self,
@@ -170,10 +173,11 @@ class FSDPState:
         if self._is_root is not None:
             return  # already a root, or adopted by one
         if len(self._modules) > 1:
+            kinds = ", ".join(type(m).__name__ for m in self._modules)
             raise RuntimeError(
-                f"{self.api_name} requires a single root module but got {len(self._modules)} "
-                "modules; call forward through a module that contains them all (and apply "
-                f"{self.api_name} to it) first"
+                f"{self.torch_state_name} requires a single root module but got "
+                f"{len(self._modules)} modules ({kinds}); call forward through a module that "
+                f"contains them all (and apply {self.api_name} to it) first"
             )
         self._is_root = True
         root = self._modules[0]
@@ -187,10 +191,12 @@ class FSDPState:
                 continue
             if state is not self:
                 if state._is_root is not None:
+                    who = self.torch_state_name
                     raise RuntimeError(
-                        f"{self.api_name} state already lazily initialized for '{name}'; "
-                        f"{self.api_name} requires running forward through the root module "
-                        "first"
+                        f"{who} state has already been lazily initialized for {name}\n"
+                        f"{who} requires running forward through the root module first "
+                        f"(the forward of {self.api_name} submodule '{name}' ran before the "
+                        "root's)"
                     )
                 state._is_root = False
             ctx.all_states.append(state)

@@ -47,6 +47,7 @@ class ReplicateState(FSDPState):
     (a ``fully_shard`` root adopts both)."""
 
     api_name = "replicate"
+    torch_state_name = "Replicate"
 
     @classmethod
     def state_class_for_root(cls) -> type[FSDPState]:
