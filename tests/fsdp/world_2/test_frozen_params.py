@@ -17,13 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from shardweave.fsdp import fully_shard
 from tests._dist import WorkerPool
 from tests.fsdp._counting import count_collectives
-from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch
+from tests.fsdp._oracle import (
+    assert_matches_reference,
+    assert_same_as_torch,
+    registered_sharded,
+)
 
 
 class Layer(nn.Module):
@@ -128,11 +131,6 @@ def _set_even_linears(model: nn.Sequential, requires_grad: bool) -> None:
             lin.requires_grad_(requires_grad)
 
 
-def _registered(model: nn.Module) -> list[tuple[str, bool]]:
-    """Which registered params are sharded (DTensor) and which unsharded."""
-    return [(n, isinstance(p, DTensor)) for n, p in model.named_parameters()]
-
-
 def mixed_requires_grad_across_groups(rank: int, world: int, reshard: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(5, 5), nn.ReLU())))
@@ -162,7 +160,8 @@ def mixed_requires_grad_across_groups(rank: int, world: int, reshard: bool) -> N
         (sum(ref(x).sum() for x in xs) / world).backward()  # type: ignore[union-attr]
         # With reshard_after_forward=False, the frozen first linear (no grad flows into it, so
         # no backward hook of its runs) stays unsharded after backward, in torch as in ours.
-        assert _registered(model) == _registered(tmodel), f"{tag}: {_registered(model)}"
+        kinds = registered_sharded(model)
+        assert kinds == registered_sharded(tmodel), f"{tag}: {kinds}"
         for m in (model, tmodel):
             for lin in m:
                 if isinstance(lin, nn.Linear):
