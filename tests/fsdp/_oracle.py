@@ -62,3 +62,8 @@ def assert_same_as_torch(model: nn.Module, torch_model: nn.Module, tag: str = ""
             assert torch.equal(p.grad.to_local(), tp.grad.to_local()), (  # type: ignore[attr-defined]
                 f"{tag} {name}: grads differ from torch's FSDP2"
             )
+
+
+def registered_sharded(model: nn.Module) -> list[tuple[str, bool]]:
+    """Each registered parameter's name and whether it is sharded (a DTensor) right now."""
+    return [(name, isinstance(p, DTensor)) for name, p in model.named_parameters()]

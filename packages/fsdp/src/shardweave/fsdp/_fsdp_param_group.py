@@ -682,7 +682,9 @@ class FSDPParamGroup:
             self.reshard()
         if not with_grad:
             return
-        assert self._orig_dtype is not None
+        # A group whose params were all frozen at lazy init has no recorded dtype; if the user
+        # unfroze them since, reduce and keep the grads in their own dtype, as torch does.
+        orig_dtype = self._orig_dtype if self._orig_dtype is not None else grads[0].dtype
         streams = self.comm_ctx.streams(self.device)
         if self._can_bucket():
             group = self._all_reduce_group
@@ -693,7 +695,7 @@ class FSDPParamGroup:
                 grads,
                 group,
                 self._reduce_dtype or grads[0].dtype,
-                self._orig_dtype,
+                orig_dtype,
                 streams,
             )
             return
@@ -704,7 +706,7 @@ class FSDPParamGroup:
             grads,
             reduce_scatter_group=self._reduce_scatter_group,
             reduce_scatter_comm=self._reduce_scatter_comm,
-            orig_dtype=self._orig_dtype,
+            orig_dtype=orig_dtype,
             reduce_dtype=self._reduce_dtype,
             device=self.device,
             divide_factor=self.gradient_divide_factor,
