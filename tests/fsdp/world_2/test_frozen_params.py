@@ -49,6 +49,25 @@ class Layer(nn.Module):
         return self._body(x)
 
 
+def _compare_then_step(
+    models: tuple[nn.Module, nn.Module, nn.Module],
+    opts: list[torch.optim.Optimizer],
+    rank: int,
+    world: int,
+    tag: str,
+    step: int,
+) -> None:
+    """Gradients bitwise equal to torch's and close to the reference, then an optimizer step on
+    all three (grads kept as zeros on odd steps), and the parameters bitwise equal to torch's."""
+    model, tmodel, ref = models
+    assert_same_as_torch(model, tmodel, tag)
+    assert_matches_reference(model, ref, "grad", rank, world, tag)
+    for o in opts:
+        o.step()
+        o.zero_grad(set_to_none=step % 2 == 0)
+    assert_same_as_torch(model, tmodel, tag)
+
+
 def _batches(step: int, world: int, dim: int = 5) -> list[torch.Tensor]:
     return [
         torch.randn(3, dim, generator=torch.Generator().manual_seed(100 * step + r))
@@ -166,12 +185,7 @@ def mixed_requires_grad_across_groups(rank: int, world: int, reshard: bool) -> N
             for lin in m:
                 if isinstance(lin, nn.Linear):
                     lin.reshard()  # type: ignore[operator]
-        assert_same_as_torch(model, tmodel, tag)
-        assert_matches_reference(model, ref, "grad", rank, world, tag)
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=step % 2 == 0)
-        assert_same_as_torch(model, tmodel, tag)
+        _compare_then_step(models, opts, rank, world, tag, step)
         assert_matches_reference(model, ref, "param", rank, world, tag)
 
 
@@ -217,12 +231,7 @@ def multi_forward_mixed_requires_grad(rank: int, world: int, reshard: bool) -> N
         tmodel(xs[rank]).sum().backward()
         (sum(ref(x).sum() for x in xs) / world).backward()  # type: ignore[union-attr]
         tag = f"reshard={reshard} step {step}"
-        assert_same_as_torch(model, tmodel, tag)
-        assert_matches_reference(model, ref, "grad", rank, world, tag)
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=step % 2 == 0)
-        assert_same_as_torch(model, tmodel, tag)
+        _compare_then_step(models, opts, rank, world, tag, step)
 
 
 @pytest.mark.parametrize("reshard", [True, False])
