@@ -245,6 +245,7 @@ class FSDPParam:
         )
         self.sharded_param = sharded
         self._setattr_on_modules(sharded)
+        self._installed_local: torch.Tensor = _local_tensor(sharded)
 
     def _local_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
         """This rank's unpadded shard as a view of a flat padded buffer."""
@@ -278,6 +279,7 @@ class FSDPParam:
         self._sharded_param_data = flat_slice
         self._drop_alias()
         _set_local_tensor(self.sharded_param, self._local_view(flat_slice))
+        self._installed_local = _local_tensor(self.sharded_param)
 
     def reset_sharded_param(self) -> bool:
         """Adopt what is registered on the module now (after ``to_empty``, ``.to(dtype)``,
@@ -296,7 +298,16 @@ class FSDPParam:
         self._sharding_spec = cast(DTensor, self.sharded_param)._spec
         current = self._sharded_param_data
         if (
-            local.device == current.device
+            type(local) is not torch.Tensor
+            and local is self._installed_local
+            and local.device.type != "meta"
+        ):
+            # A wrapper subclass has no storage of its own to compare; unchanged means the
+            # very local tensor this class installed last.
+            return False
+        if (
+            type(local) is torch.Tensor
+            and local.device == current.device
             and local.dtype == current.dtype
             and local.untyped_storage().data_ptr() == current.untyped_storage().data_ptr()
             and local.storage_offset() == current.storage_offset()
@@ -318,6 +329,7 @@ class FSDPParam:
         self._sharded_param_data = padded.view(-1)
         self._drop_alias()
         _set_local_tensor(self.sharded_param, self._local_view(self._sharded_param_data))
+        self._installed_local = _local_tensor(self.sharded_param)
         self.orig_dtype = self.sharded_param.dtype
         return True
 

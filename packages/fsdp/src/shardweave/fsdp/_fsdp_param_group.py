@@ -368,6 +368,11 @@ class FSDPParamGroup:
         self._flat_sharded = None
         if not datas or len({(d.dtype, d.device) for d in datas}) != 1:
             return
+        if any(type(d) is not torch.Tensor for d in datas):
+            # A tensor-subclass shard (e.g. one with fsdp_pre/post_all_gather) would be copied
+            # into a plain buffer and rebound to a view of it, losing its class, its hooks
+            # and any inner tensors beyond one; such groups keep per-parameter storage.
+            return
         if datas[0].device.type == "meta":
             return  # materialized later (to_empty), then flattened at lazy init
         flat = torch.empty(

@@ -118,7 +118,11 @@ class SubclassAllGather:
         if current is None:
             unsharded, inner = state.post(outs, state.metadata, dtype)
             state.inner = tuple(inner)
-            result = unsharded.view(param.orig_size)
+            # The post-hook may return the padded gather (uneven shards padded by the
+            # pre-hook): like torch, take the leading orig_size elements, not a view.
+            result = torch.as_strided(
+                unsharded, param.orig_size, contiguous_strides(param.orig_size), 0
+            )
         else:
             for t in state.inner:
                 alloc_storage(t)
