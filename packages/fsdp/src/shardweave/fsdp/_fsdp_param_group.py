@@ -7,7 +7,8 @@ Design note: flat storage
     reads it directly: no per-parameter copy-in on each unshard (torch's FSDP2 copies every
     shard into a staging buffer each time). Groups with mixed dtypes, or whose storage is
     replaced (``to_empty``, ``load_state_dict(assign=True)``), are re-flattened at the next
-    lazy init or ``reset``; until then they use the per-parameter copy-in.
+    lazy init or ``reset``; until then they use the per-parameter copy-in. Groups with a
+    tensor-subclass shard are never flattened: a plain buffer cannot hold the subclass.
 """
 
 from __future__ import annotations
