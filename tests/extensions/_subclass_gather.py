@@ -374,3 +374,22 @@ def two_tensor_hsdp(rank: int, world: int) -> dict[str, int]:
         events = train_side_by_side(model, tmodel, rank, 8, "hsdp")
     assert {(e[1], e[2]) for e in events if e[0] == "pre"} == {(1, 2)}
     return kinds(events)
+
+
+def int_reshard_after_forward_errors(rank: int, world: int) -> list[str]:
+    """Each engine's exception for an extension parameter under ``reshard_after_forward=2``
+    (a post-forward mesh of 2 of the 4 ranks), over a forward and backward."""
+    global LOG
+    LOG = HookLog()
+    raised = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        model = nn.Sequential(WideMLP(), WideMLP())
+        shard_stack(model, shard, reshard_after_forward=2)
+        try:
+            model(torch.randn(2, 3)).sum().backward()
+        except Exception as exc:  # the type is the result
+            raised.append(type(exc).__name__)
+        else:
+            raised.append("nothing")
+    return raised

@@ -476,6 +476,14 @@ class FSDPParam:
                 f"an int reshard_after_forward is not supported for DTensor parameter "
                 f"'{self.param_fqn}' (tensor parallel); pass True or False"
             )
+        if self.has_extension:
+            # The post-forward shard is a slice of the flat all-gather output, which an
+            # fsdp_pre/post_all_gather parameter does not have (torch does not support it
+            # either); raised here, in forward, on every rank alike.
+            raise NotImplementedError(
+                f"'{self.param_fqn}': fsdp_pre_all_gather extensions are not supported with "
+                "an int reshard_after_forward; pass True or False"
+            )
         numel = self.all_gather_output.numel() // info.shard_mesh_size
         self._sharded_post_forward_data = self.all_gather_output.narrow(
             0, numel * info.shard_mesh_rank, numel
