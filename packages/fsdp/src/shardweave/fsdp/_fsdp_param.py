@@ -278,8 +278,14 @@ class FSDPParam:
         flat_slice.copy_(self._sharded_param_data)
         self._sharded_param_data = flat_slice
         self._drop_alias()
-        _set_local_tensor(self.sharded_param, self._local_view(flat_slice))
-        self._installed_local = _local_tensor(self.sharded_param)
+        self._install_local(self._local_view(flat_slice))
+
+    def _install_local(self, local: torch.Tensor) -> None:
+        """Make ``local`` the sharded parameter's local tensor, remembering it: for a wrapper
+        subclass (no storage to compare) identity is how ``reset_sharded_param`` tells it
+        unchanged."""
+        _set_local_tensor(self.sharded_param, local)
+        self._installed_local = local
 
     def reset_sharded_param(self) -> bool:
         """Adopt what is registered on the module now (after ``to_empty``, ``.to(dtype)``,
@@ -328,8 +334,7 @@ class FSDPParam:
                 padded = padded.pin_memory()
         self._sharded_param_data = padded.view(-1)
         self._drop_alias()
-        _set_local_tensor(self.sharded_param, self._local_view(self._sharded_param_data))
-        self._installed_local = _local_tensor(self.sharded_param)
+        self._install_local(self._local_view(self._sharded_param_data))
         self.orig_dtype = self.sharded_param.dtype
         return True
 

@@ -20,12 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardweave.fsdp._fsdp_common import (
-    ShardedState,
-    alloc_storage,
-    contiguous_strides,
-    free_storage,
-)
+from shardweave.fsdp._fsdp_common import alloc_storage, contiguous_strides, free_storage
 from shardweave.mesh.extension_points import ALL_GATHER, AllGatherExtension
 
 if TYPE_CHECKING:
@@ -61,11 +56,6 @@ class SubclassAllGather:
     def inputs(self, param: FSDPParam) -> list[torch.Tensor]:
         """The pre-hook's tensors, 1D on the compute device."""
         state = self.state
-        if param.sharded_state == ShardedState.SHARDED_POST_FORWARD:
-            raise NotImplementedError(
-                f"'{param.param_fqn}': fsdp_pre_all_gather extensions are not supported with "
-                "an int reshard_after_forward"
-            )
         mesh = param.shard_mesh()
         if state.legacy:
             inputs, state.metadata = state.pre(mesh)
