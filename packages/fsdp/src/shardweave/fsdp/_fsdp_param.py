@@ -116,6 +116,17 @@ class FSDPParam:
         Resharding frees that buffer's storage (resize to 0 bytes) and the next unshard
         re-allocates and refills it in place, so the parameter object, the autograd graph's
         references to it and any user reference stay valid across iterations.
+
+    Design note: tied after fully_shard
+        A framework may tie a weight *after* sharding (transformers builds untied, shards, loads,
+        then sets ``lm_head.weight = embed_tokens.weight``): the module of this parameter then
+        holds another FSDPParam's sharded DTensor. At lazy init this parameter *adopts* it
+        (``adopt_tied``): the owner keeps the one shard storage, this one reads it through the
+        owner at every all-gather, never copies or re-points it, and adds its reduced gradient
+        to the same ``.grad``. Both groups gather the current values, and the gradient is the
+        sum of both uses, as in the unsharded model. (A copy would train one of the two on a
+        stale shard; re-pointing the shared DTensor from both groups would leave whichever
+        group re-pointed first gathering a buffer the optimizer no longer writes.)
     """
 
     orig_dtype: torch.dtype
@@ -165,6 +176,7 @@ class FSDPParam:
         self.sharded_state = ShardedState.SHARDED
         self._all_gather = _FLAT_ALL_GATHER
         self._aliases_shard = False  # see alias_sharded_storage
+        self._storage_owner: FSDPParam | None = None  # see Design note: tied after fully_shard
         if not hasattr(param, _UID_ATTR):
             setattr(param, _UID_ATTR, next(_uids))
         self.orig_param_uid: int = getattr(param, _UID_ATTR)
@@ -269,7 +281,51 @@ class FSDPParam:
     # --- flat storage -------------------------------------------------------------------------
     @property
     def sharded_param_data(self) -> torch.Tensor:
-        return self._sharded_param_data
+        """1D, padded: this rank's shard plus zero padding (the owner's when tied)."""
+        owner = self._storage_owner
+        return self._sharded_param_data if owner is None else owner.sharded_param_data
+
+    @property
+    def storage_owner(self) -> FSDPParam | None:
+        """The FSDPParam whose shard this one adopted (Design note: tied after fully_shard)."""
+        return self._storage_owner
+
+    def registered_param(self) -> torch.Tensor | None:
+        """What the parameter's first module holds under its name now."""
+        info = self._module_info
+        return info.module._parameters.get(info.param_name)
+
+    def adopt_tied(self, owner: FSDPParam) -> None:
+        """Share ``owner``'s sharded parameter and storage (Design note: tied after
+        fully_shard). The two must be sharded alike, or gathering one through the other would
+        be wrong: anything else raises, naming both."""
+        mine = (self.orig_size, self.shard_dim, self.offload_to_cpu, self.device)
+        theirs = (owner.orig_size, owner.shard_dim, owner.offload_to_cpu, owner.device)
+        spec, owner_spec = self._sharding_spec, owner._sharding_spec
+        same_mesh = spec.mesh == owner_spec.mesh and spec.placements == owner_spec.placements
+        if owner.storage_owner is not None:
+            raise AssertionError(f"'{owner.param_fqn}' shares another parameter's storage")
+        if mine != theirs or not same_mesh:
+            raise ValueError(
+                f"fully_shard: '{self.param_fqn}' was tied to '{owner.param_fqn}' after "
+                f"fully_shard, but the two are sharded differently ((size, shard dim, offload, "
+                f"device) {mine} vs {theirs}, or another mesh); tie them before fully_shard and "
+                "pass both modules to one call: fully_shard([module_a, module_b])"
+            )
+        self._drop_alias()
+        self._storage_owner = owner
+        self._follow_owner()
+
+    def _follow_owner(self) -> None:
+        # What the owner's module holds now, which the owner adopts at its own lazy init
+        # (its ``sharded_param`` may still be the one a load replaced).
+        owner = self._storage_owner
+        assert owner is not None
+        shared = owner.registered_param()
+        assert isinstance(shared, DTensor) and isinstance(shared, nn.Parameter)
+        self.sharded_param = shared
+        self._sharding_spec = shared._spec
+        self._setattr_on_modules(shared)
 
     def rebind_sharded_storage(self, flat_slice: torch.Tensor) -> None:
         """Move this shard into ``flat_slice`` (a view of the group's flat buffer) and make the
@@ -290,8 +346,16 @@ class FSDPParam:
     def reset_sharded_param(self) -> bool:
         """Adopt what is registered on the module now (after ``to_empty``, ``.to(dtype)``,
         ``load_state_dict(assign=True)``); returns True if the shard moved to new storage."""
-        module_info = self._module_info
-        registered: torch.Tensor | None = module_info.module._parameters[module_info.param_name]
+        registered = self.registered_param()
+        owner = self._storage_owner
+        if owner is not None:
+            if registered is owner.registered_param():
+                self._follow_owner()
+                return False  # the owner adopts any change to the shared storage
+            # Untied again: this parameter gets storage of its own below (a copy, never a
+            # view of the owner's).
+            self._storage_owner = None
+            self._sharded_param_data = owner.sharded_param_data.new_empty(0)
         if not isinstance(registered, DTensor) or not isinstance(registered, nn.Parameter):
             raise AssertionError(
                 f"fully_shard: '{self.param_fqn}' was replaced by a plain tensor; load sharded "
@@ -381,7 +445,7 @@ class FSDPParam:
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
             assert self._sharded_post_forward_data is not None
             return self._sharded_post_forward_data
-        data = self._sharded_param_data
+        data = self.sharded_param_data
         if data.device != self.device:
             data = data.to(self.device, non_blocking=True)
         if self.param_dtype is not None and data.dtype != self.param_dtype:

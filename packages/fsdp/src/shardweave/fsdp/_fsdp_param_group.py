@@ -369,6 +369,10 @@ class FSDPParamGroup:
         self._flat_sharded = None
         if not datas or len({(d.dtype, d.device) for d in datas}) != 1:
             return
+        if any(p.storage_owner is not None for p in params):
+            # A weight tied after fully_shard reads another group's storage (FSDPParam, Design
+            # note: tied after fully_shard), which this group's buffer must not take over.
+            return
         if any(type(d) is not torch.Tensor for d in datas):
             # A tensor-subclass shard (e.g. one with fsdp_pre/post_all_gather) would be copied
             # into a plain buffer and rebound to a view of it, losing its class, its hooks

@@ -204,6 +204,7 @@ class FSDPState:
             # The root is all-gathered again right at backward's start: keep it unsharded.
             for group in self._fsdp_param_groups:
                 group.post_forward_mesh_info = None
+        self._adopt_tied_after_fully_shard()
         self._init_fqns()
         self._init_shared_state()
         self._validate_no_duplicate_params()
@@ -239,6 +240,25 @@ class FSDPState:
     def state_class_for_root(cls) -> type[FSDPState]:
         """The states a root of this class adopts (replicate roots adopt only replicate)."""
         return FSDPState
+
+    def _adopt_tied_after_fully_shard(self) -> None:
+        """Several FSDPParams whose modules hold one sharded parameter now (tied after
+        fully_shard, as transformers does after loading) share one storage; see FSDPParam,
+        Design note: tied after fully_shard. The owner is the one registered first in module
+        order, where ``named_parameters()`` names the tied parameter."""
+        order = {m: i for i, m in enumerate(self._modules[0].modules())}
+        claims: dict[int, list[Any]] = {}  # FSDPParams by what their modules hold
+        for state in self._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                for p in group.fsdp_params:
+                    if p.storage_owner is None:
+                        claims.setdefault(id(p.registered_param()), []).append(p)
+        for claimants in claims.values():
+            if len(claimants) < 2:
+                continue
+            claimants.sort(key=lambda p: order.get(p.module, len(order)))
+            for p in claimants[1:]:
+                p.adopt_tied(claimants[0])
 
     def _init_fqns(self) -> None:
         root = self._modules[0]
