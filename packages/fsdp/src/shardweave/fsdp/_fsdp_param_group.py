@@ -396,7 +396,12 @@ class FSDPParamGroup:
     def reset_sharded_params(self) -> None:
         """Re-adopt the registered shards (after ``_apply`` or an assign-load) and re-flatten."""
         changed = [p.reset_sharded_param() for p in self.fsdp_params]
-        if any(changed) or self._flat_sharded is None:
+        # A parameter tied after fully_shard reads its owner's storage now, not the copy this
+        # group's flat buffer holds: the buffer must go (see _flatten_sharded_storage).
+        tied = self._flat_sharded is not None and any(
+            p.storage_owner is not None for p in self.fsdp_params
+        )
+        if any(changed) or tied or self._flat_sharded is None:
             self._flatten_sharded_storage()
 
     def lazy_init(self) -> None:
