@@ -6,6 +6,7 @@
                             torch's FSDP2 and ours in the same test
     nox -s demo             train a small GPT with fully_shard on 2 local CPU processes (torchrun)
     nox -s bench            timing scripts; never gates a merge
+    nox -s gpu              on a machine with a CUDA GPU: the GPU kit's JSON report (tools/gpu_kit.py)
     nox -s docs             build the Sphinx docs into docs/_build/html, warnings as errors
     nox -s tests -- -k fsdp -x     arguments after -- go to pytest (or to the demo / bench script)
 
@@ -49,9 +50,10 @@ TEST_PLUGIN = "tests/fixtures/shardweave_test_plugin"
 # installs it, and tests/demos/test_readme_demo.py reads it (with ast: no nox needed there).
 DEMO_REQUIREMENTS = ("./packages/fsdp[plot]", "numpy")
 # The frameworks tests/integration drives, pinned: each release checked to leave torch 2.13.0 in
-# place (pip install --dry-run "torch==2.13.0" <pin> installs no other torch). lightning is the
-# newest release (its Trainer and Fabric strategies for FSDP2); accelerate for its FSDP2 wrapping.
-INTEGRATION_REQUIREMENTS = ("lightning==2.6.6", "accelerate==1.15.0")
+# place (pip install --dry-run "torch==2.13.0" <pins> installs no other torch). lightning is the
+# newest release (its Trainer and Fabric strategies for FSDP2); accelerate for its FSDP2 wrapping;
+# transformers for its own FSDP2 path (from_pretrained with a DistributedConfig).
+INTEGRATION_REQUIREMENTS = ("lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0")
 
 nox.options.default_venv_backend = "venv"
 # demo, bench, docs on request
@@ -229,6 +231,18 @@ def bench(session: nox.Session) -> None:
     _install_all_packages(session, "numpy")
     _install_requirements_file(session, "benchmarks/requirements.txt")
     session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session(python=False, venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU kit (tools/gpu_kit.py): parity with torch's FSDP2 on NCCL, delayed collectives,
+    host syncs, CUDA's sanitizer and a 0.5B-parameter benchmark, in one JSON report.
+
+    Runs with the machine's own python and torch (torch 2.11 or newer, no package index
+    needed): the packages are imported from packages/*/src. Without CUDA it prints one line and
+    exits 0. Arguments after -- go to the script (e.g. -- --out report.json). Never a default.
+    """
+    session.run("python", "tools/gpu_kit.py", *session.posargs, external=True)
 
 
 DOCS_DEPS = ("sphinx>=8", "myst-parser>=4")
