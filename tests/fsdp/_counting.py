@@ -31,10 +31,15 @@ def count_collectives() -> Iterator[Counter[str]]:
     name, and the bytes each sends under ``<name>_bytes``; the tensor may come positionally or by
     keyword (torch's FSDP passes keywords)."""
     counts: Counter[str] = Counter()
-    originals = {
-        name: getattr(dist, name)
-        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")
+    # Counted under torch 2.13's names; torch 2.11 and 2.12 have only the older ones, which
+    # both engines call there (shardweave through shardweave.fsdp._torch_compat).
+    names = {
+        "all_gather_single": "all_gather_into_tensor",
+        "reduce_scatter_single": "reduce_scatter_tensor",
+        "all_reduce": "all_reduce",
     }
+    patched = {name: name if hasattr(dist, name) else older for name, older in names.items()}
+    originals = {name: getattr(dist, attr) for name, attr in patched.items()}
 
     # The tensor each call sends: the input of all-gather / reduce-scatter (second
     # positional, or by keyword), the tensor of all-reduce (first).
@@ -56,9 +61,9 @@ def count_collectives() -> Iterator[Counter[str]]:
         return counted
 
     for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
+        setattr(dist, patched[name], wrap(name, fn))
     try:
         yield counts
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            setattr(dist, patched[name], fn)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.cuda._sanitizer import CUDASanitizerErrors, UnsynchronizedAccessError
 
+from shardweave.fsdp._torch_compat import all_gather_single, reduce_scatter_single
 from tests._dist import WorkerPool
 from tests._dist.stream_sanitizer import (
     FakeDeviceModule,
@@ -292,9 +293,9 @@ def _collective(rank: int, world_size: int, kind: str, wait: bool) -> dict[str, 
         a.wait_stream(dev.current_stream())  # A may read what the default stream wrote
         with dev.stream(a):
             if kind == "all_gather":
-                work = dist.all_gather_single(out, inp, async_op=True)
+                work = all_gather_single(out, inp, async_op=True)
             elif kind == "reduce_scatter":
-                work = dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, async_op=True)
+                work = reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, async_op=True)
             else:
                 work = dist.all_reduce(inp, async_op=True)
         assert work is not None

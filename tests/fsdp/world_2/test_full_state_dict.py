@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
@@ -27,6 +26,7 @@ from shardweave.fsdp import (
     save_safetensors,
     set_full_state_dict,
 )
+from shardweave.fsdp._torch_compat import all_gather_single
 from tests._dist import WorkerPool, seed_everything
 from tests._dist.sync import barrier
 from tests.fsdp._full_state_dicts import (
@@ -133,7 +133,7 @@ def memory_bound(rank: int, world: int) -> dict[str, int]:
     # gloo's all-gather stages its output in a buffer of its own (NCCL writes in place): measure
     # that scratch on a bare all-gather of the largest buffer, and allow it on top of ours.
     bufs = [torch.empty(largest // 4), torch.zeros(largest // 4 // world)]  # outside the profile
-    scratch, _ = peak_live_bytes(lambda: dist.all_gather_single(bufs[0], bufs[1]))
+    scratch, _ = peak_live_bytes(lambda: all_gather_single(bufs[0], bufs[1]))
     bufs.clear()
     assert scratch <= largest + slack, scratch
     peak, full = peak_live_bytes(lambda: get_full_state_dict(model))

@@ -8,11 +8,19 @@ same mesh gives the same kind of info, sizes, ranks and groups).
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp._fully_shard._fsdp_api import (
-    DataParallelMeshDims as TorchDataParallelMeshDims,
-)
+
+try:  # the oracle: torch's own DataParallelMeshDims, which torch 2.11 and 2.12 do not have
+    from torch.distributed.fsdp._fully_shard._fsdp_api import (
+        DataParallelMeshDims as TorchDataParallelMeshDims,
+    )
+except ImportError:
+    pytest.skip(
+        f"torch {torch.__version__} has no DataParallelMeshDims to compare with",
+        allow_module_level=True,
+    )
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
 from shardweave.mesh import (

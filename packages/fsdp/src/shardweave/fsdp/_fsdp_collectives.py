@@ -34,6 +34,7 @@ import torch.distributed as dist
 from shardweave.fsdp import _fault, _trace, _watchdog
 from shardweave.fsdp._fsdp_api import AllGather, ReduceScatter
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
+from shardweave.fsdp._torch_compat import all_gather_single, reduce_scatter_single
 from shardweave.mesh.extension_points import COLLECTIVES, Collectives
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class C10dCollectives:
         *,
         async_op: bool = False,
     ) -> dist.Work | None:
-        work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+        work = all_gather_single(output, input, group=group, async_op=async_op)
         return cast("dist.Work | None", work)
 
     def reduce_scatter_tensor(
@@ -146,7 +147,7 @@ class C10dCollectives:
         op: ReduceOpLike,
         async_op: bool = False,
     ) -> dist.Work | None:
-        work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        work = reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
         return cast("dist.Work | None", work)
 
     def all_reduce(

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from shardweave.fsdp._fully_shard import FSDPModule
+from shardweave.fsdp._torch_compat import all_gather_single
 from shardweave.mesh.extension_points import STATE_DICT
 
 __all__ = [
@@ -167,7 +168,7 @@ def gather_full_tensor(value: torch.Tensor, buffers: GatherBuffers | None = None
             slot = out.narrow(0, idx * rows_per_rank, rows_per_rank)
             slot.narrow(0, 0, local.size(0)).copy_(local)
             slot.narrow(0, local.size(0), rows_per_rank - local.size(0)).zero_()
-            dist.all_gather_single(out, slot, group=mesh.get_group(mesh_dim))
+            all_gather_single(out, slot, group=mesh.get_group(mesh_dim))
         # Rank r's chunk starts at row r * rows_per_rank in both torch.chunk and the padded
         # output, so the full tensor is the leading rows (trailing ranks hold only padding).
         return out.narrow(0, 0, value.shape[0])
