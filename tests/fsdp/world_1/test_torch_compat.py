@@ -46,3 +46,9 @@ def test_compat_calls_the_name_torch_has(
 def test_this_torch_has_one_of_each() -> None:
     for _, new, old in PAIRS:
         assert hasattr(dist, new) or hasattr(dist, old), (new, old)
+
+
+def test_state_exposes_one_group_before_2_13() -> None:
+    """torch 2.11 and 2.12's PipelineStage reads ``state._fsdp_param_group``; 2.13 does not."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert _torch_compat.STATE_EXPOSES_ONE_GROUP is ((major, minor) < (2, 13))

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.fsdp import AllGather, FSDPModule, ReduceScatter, fully_shard
+from shardweave.fsdp._torch_compat import all_gather_single, reduce_scatter_single
 from tests._dist import WorkerPool, assert_close
 from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
@@ -60,7 +61,7 @@ class RecordingAllGather(AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         self.calls.append((output_tensor.numel(), input_tensor.numel(), group.size()))
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)  # type: ignore[no-any-return]
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)  # type: ignore[no-any-return]
 
 
 class RecordingReduceScatter(ReduceScatter):
@@ -79,7 +80,7 @@ class RecordingReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         self.calls.append((output_tensor.numel(), input_tensor.numel()))
-        return dist.reduce_scatter_single(
+        return reduce_scatter_single(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )  # type: ignore[no-any-return]
 

@@ -135,8 +135,7 @@ class C10dCollectives:
         *,
         async_op: bool = False,
     ) -> dist.Work | None:
-        work = all_gather_single(output, input, group=group, async_op=async_op)
-        return cast("dist.Work | None", work)
+        return all_gather_single(output, input, group=group, async_op=async_op)
 
     def reduce_scatter_tensor(
         self,
@@ -147,8 +146,7 @@ class C10dCollectives:
         op: ReduceOpLike,
         async_op: bool = False,
     ) -> dist.Work | None:
-        work = reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
-        return cast("dist.Work | None", work)
+        return reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
     def all_reduce(
         self,

@@ -23,6 +23,7 @@ from shardweave.fsdp._fsdp_common import (
     run_eagerly,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
+from shardweave.fsdp._torch_compat import STATE_EXPOSES_ONE_GROUP
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
@@ -105,10 +106,14 @@ class FSDPState:
         self._register_forward_hooks()
 
     @property
-    def _fsdp_param_group(self) -> None:
+    def _fsdp_param_group(self) -> FSDPParamGroup | None:
         # torch's FSDPState has this private attribute; code that reads it (torch's
         # FSDPMemTracker, some of torch's own tests) reaches into torch's engine, which ours is
         # not. Still an AttributeError (hasattr stays False), with a sentence that says so.
+        # Except on torch < 2.13, whose PipelineStage finishes a stage's backward through it
+        # (see _torch_compat): there a state of at most one group answers with it.
+        if STATE_EXPOSES_ONE_GROUP and len(self._fsdp_param_groups) <= 1:
+            return self._fsdp_param_groups[0] if self._fsdp_param_groups else None
         raise AttributeError(
             "'FSDPState' object has no attribute '_fsdp_param_group': this is shardweave's "
             "FSDPState, and _fsdp_param_group is a private attribute of torch's engine. Code that "

@@ -6,6 +6,9 @@ a test or a user that patches torch's function (a collective counter, a tracer) 
 * torch 2.13 renamed the tensor collectives ``all_gather_into_tensor`` and
   ``reduce_scatter_tensor`` to ``all_gather_single`` and ``reduce_scatter_single`` and
   deprecated the old names; 2.11 and 2.12 have only the old ones.
+* torch 2.11 and 2.12's ``PipelineStage`` finishes a stage's backward through
+  ``state._fsdp_param_group`` (one group per state, or None) where 2.13 reads
+  ``state._fsdp_param_groups``: ``STATE_EXPOSES_ONE_GROUP`` says which (``FSDPState``).
 
 Tested in ``tests/fsdp/world_1/test_torch_compat.py`` with either name hidden.
 """
@@ -17,7 +20,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_single", "reduce_scatter_single"]
+__all__ = ["STATE_EXPOSES_ONE_GROUP", "all_gather_single", "reduce_scatter_single"]
+
+# torch's pipelining reads a state's single ``_fsdp_param_group`` before 2.13.
+STATE_EXPOSES_ONE_GROUP: bool = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 def all_gather_single(
