@@ -81,6 +81,7 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 from torch.cuda._sanitizer import (
     Access,
     ArgumentHandler,
@@ -225,11 +226,13 @@ class FakeEvent:
         self._device = device
         self.id = next(device._event_ids)
         device.handler._handle_event_creation(self.id)
+        self.collectives: list[_PendingCollective] = []  # test accelerator: before the event
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream if stream is not None else self._device.current_stream()
         self._device.handler._handle_event_record(self.id, stream.id)
         self._device.report.events_recorded += 1
+        self.collectives = [c for c in stream.collectives if not c.done]
 
     def wait(self, stream: FakeStream | None = None) -> None:
         stream = stream if stream is not None else self._device.current_stream()
@@ -239,9 +242,11 @@ class FakeEvent:
     def synchronize(self) -> None:
         # The host waited for the event: every stream's later work is ordered after it.
         self._device.handler._handle_event_synchronization(self.id)
+        self._device.finish(self.collectives)
 
     def query(self) -> bool:
-        return True  # nothing runs asynchronously on the fake device
+        # Called by the engine's watchdog thread too: only asks the backend.
+        return all(c.completed() for c in self.collectives)
 
     def __repr__(self) -> str:
         return f"FakeEvent(id={self.id})"
@@ -254,6 +259,9 @@ class FakeStream:
         self._device = device
         self.id = stream_id
         self.priority = priority
+        # Test accelerator: collectives this stream's next op must find finished (issued on
+        # it, or reached through a waited event).
+        self.collectives: list[_PendingCollective] = []
 
     def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         event = event if event is not None else FakeEvent(self._device)
@@ -271,6 +279,7 @@ class FakeStream:
 
     def synchronize(self) -> None:
         self._device.handler._handle_stream_synchronization(self.id)
+        self._device.finish(self.collectives)
 
     def query(self) -> bool:
         return True
@@ -278,6 +287,7 @@ class FakeStream:
     def _wait(self, event: FakeEvent) -> None:
         self._device.handler._handle_event_wait(event.id, self.id)
         self._device.report.waits += 1
+        self.collectives += [c for c in event.collectives if c not in self.collectives]
 
     def __repr__(self) -> str:
         return f"FakeStream(id={self.id}, priority={self.priority})"
@@ -292,9 +302,14 @@ class FakeDeviceModule:
             engine this way and expect a race. Matched against the function that called
             ``wait_event`` / ``wait_stream`` / ``FakeEvent.wait``, directly or through the
             engine's one-line helper ``_fsdp_streams.wait_event``.
+        accelerator: the test accelerator (see :func:`stream_sanitizer`): collectives run on
+            their stream as they do on a GPU, finished only when a stream ordered after them
+            runs its next op (or the host synchronizes an event after them).
     """
 
-    def __init__(self, drop_waits_from: Collection[str] = ()) -> None:
+    def __init__(self, drop_waits_from: Collection[str] = (), accelerator: bool = False) -> None:
+        self.accelerator = accelerator
+        self.mode: SanitizerMode | None = None
         self.handler = EventHandler()
         self.report = SanitizerReport(self)
         self.allocator = CachingAllocatorModel(self.handler, self.report)
@@ -336,6 +351,23 @@ class FakeDeviceModule:
 
     def synchronize(self, device: object = None) -> None:
         self.handler._handle_device_synchronization()
+        for stream in self.report.streams:
+            self.finish(stream.collectives)
+
+    def finish(self, collectives: list[_PendingCollective]) -> None:
+        """Test accelerator: the host waits for ``collectives`` (the device ran them)."""
+        if not collectives:
+            return
+        mode = self.mode
+        if mode is not None:
+            mode.in_work_wait += 1  # the backend's own copies are not kernels of ours
+        try:
+            for collective in collectives:
+                collective.finish()
+        finally:
+            if mode is not None:
+                mode.in_work_wait -= 1
+        collectives.clear()
 
     def is_available(self) -> bool:
         return True
@@ -348,6 +380,81 @@ class FakeDeviceModule:
             self.report.dropped_waits.append(caller)
             return True
         return False
+
+
+class _PendingCollective:
+    """A collective issued on a test-accelerator stream and not yet finished.
+
+    gloo runs it on staging copies of its tensors (so the backend's references never extend
+    the engine's buffers' lifetimes, which the allocator model judges); ``finish`` waits for
+    the Work and writes the result into the engine's output, if that storage is still alive.
+    Until then the output holds whatever was there: an op that reads it without having waited
+    sees wrong numbers, as on a GPU.
+    """
+
+    def __init__(self, work: Any, results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.work: Any = dist.Work.unbox(work)
+        # (staging result, engine output) pairs; the engine output by weak reference to its
+        # storage, with its geometry, so this record never keeps it alive.
+        self._results = [
+            (
+                staged,
+                weakref.ref(out.untyped_storage()),
+                out.storage_offset(),
+                out.size(),
+                out.stride(),
+                out.dtype,
+            )
+            for staged, out in results
+        ]
+        self.done = False
+
+    def completed(self) -> bool:
+        work = self.work
+        return self.done or work is None or bool(work.is_completed())
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        work, self.work = self.work, None
+        work.wait()
+        for staged, storage_ref, offset, size, stride, dtype in self._results:
+            storage = storage_ref()
+            if storage is None or storage.nbytes() == 0:
+                continue  # freed: nothing reads it any more
+            out = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+            out.copy_(staged)
+        self._results = []
+
+
+def _staged_collective(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, _PendingCollective]:
+    """Run a c10d collective on staging copies; return its outputs for the caller (the engine's
+    own tensors and a completed Work) and the record that finishes it."""
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    results: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if "tensors" in bound:  # all-reduce: in place
+        tensors = list(bound["tensors"])
+        staged = [t.clone() for t in tensors]
+        bound["tensors"] = staged
+        results = list(zip(staged, tensors, strict=True))
+        ret: Any = tensors
+    else:
+        out = bound["output_tensor"]
+        staged_out = torch.empty_like(out)
+        bound["output_tensor"] = staged_out
+        bound["input_tensor"] = bound["input_tensor"].clone()
+        results = [(staged_out, out)]
+        ret = out
+    _, work = func(**bound)
+    done = torch.futures.Future()  # type: ignore[var-annotated]
+    done.set_result(None)
+    fake_work = _create_work_from_future(done).boxed()
+    return (ret, fake_work), _PendingCollective(work, results)
 
 
 # Modules of one-line wait helpers (``_fsdp_streams.wait_event`` skips None events): the
@@ -661,6 +768,10 @@ class SanitizerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             # its result into the output in ``Work.wait()``). The collective was already
             # recorded as one kernel at issue, as it runs on a GPU; these host copies are not.
             return func(*args, **kwargs)
+        device = self.device
+        stream_now = device.current_stream()
+        if stream_now.collectives:  # test accelerator: the stream is ordered after them
+            device.finish(stream_now.collectives)
         handler = _StorageArgumentHandler()
         input_keys = _storage_keys((args, kwargs))
         collective = _COLLECTIVES.get(schema.name)
@@ -685,7 +796,11 @@ class SanitizerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             is_factory = base.startswith(_FACTORY_PREFIXES) or base.endswith(_FACTORY_SUFFIXES)
             handler.parse_inputs(schema, args, kwargs, is_factory=is_factory)
 
-        outputs = func(*args, **kwargs)
+        if collective is not None and device.accelerator:
+            outputs, pending = _staged_collective(func, args, kwargs)
+            stream_now.collectives.append(pending)
+        else:
+            outputs = func(*args, **kwargs)
 
         if collective is None:
             handler.parse_outputs(schema, outputs, is_factory=is_factory)
@@ -786,6 +901,7 @@ def stream_sanitizer(
     raise_on_race: bool = True,
     install: bool = True,
     drop_waits_from: Collection[str] = (),
+    accelerator: bool = False,
 ) -> Iterator[SanitizerReport]:
     """Check stream ordering of everything run inside the block; yields the report.
 
@@ -799,6 +915,14 @@ def stream_sanitizer(
             (``shardweave.fsdp._fsdp_streams.use_device_module``). False for code that uses
             ``report.device`` directly.
         drop_waits_from: see :class:`FakeDeviceModule` (mutation tests).
+        accelerator: the test accelerator. The engine takes its accelerator branches
+            (``use_device_module(..., stream_ordered=True)``: collectives issued with
+            ``async_op=False`` inside the stream context, no host wait on a Work, buffers
+            released by stream order), and every c10d collective behaves as on a GPU: it
+            runs on the stream current at its issue (gloo, on staging copies), its caller
+            gets a completed Work, and its result lands in the output only when a stream
+            ordered after it runs its next op, or the host synchronizes an event after it.
+            A missing wait is then a race in the report *and* wrong numbers.
 
     Example::
 
@@ -809,19 +933,21 @@ def stream_sanitizer(
                 opt.zero_grad()
         assert len(report.streams) > 1  # the engine really used the fake streams
     """
-    device = FakeDeviceModule(drop_waits_from)
+    device = FakeDeviceModule(drop_waits_from, accelerator)
     with contextlib.ExitStack() as stack:
         if install:
             # Imported here: the harness self-tests run without shardweave installed.
             from shardweave.fsdp._fsdp_streams import use_device_module
 
-            stack.enter_context(use_device_module(device))
+            stack.enter_context(use_device_module(device, stream_ordered=accelerator))
         stack.enter_context(_track_storage_resizes(device))
         mode = SanitizerMode(device)
+        device.mode = mode
         stack.enter_context(_quiet_work_waits(mode))
         stack.enter_context(mode)
         try:
             yield device.report
+            device.synchronize()  # test accelerator: what is still in flight lands
         finally:
             device.allocator.active = False
     if raise_on_race and device.report.errors:
