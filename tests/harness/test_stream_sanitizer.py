@@ -20,6 +20,7 @@ from tests._dist.stream_sanitizer import (
     FakeStream,
     SanitizerReport,
     StreamRaceError,
+    UnsafeReuseError,
     stream_sanitizer,
 )
 
@@ -341,3 +342,87 @@ def test_collective_output_read_on_another_stream(
         else:
             assert len(races) == 1, races
             assert f"by stream {result['a']} in {COLLECTIVE_OPS[kind]}" in races[0]
+
+
+# ----------------------------------------------------------------- the caching allocator model
+
+
+def _free_then_reallocate(
+    wait: str, realloc_stream: str = "owner", realloc_numel: int = 1024, free: str = "del"
+) -> SanitizerReport:
+    """A block of the default stream, read on a side stream, freed, then a new allocation.
+
+    ``wait``: where the default stream waits for the side stream's read: ``"none"``,
+    ``"before-free"`` or ``"after-free"`` (before the reallocation: still safe on CUDA).
+    ``realloc_stream``: the stream current at the new allocation (``"owner"``: the default
+    stream, whose pool the block went back to; ``"side"``: another pool).
+    ``free``: ``"del"`` drops the last reference, ``"resize"`` resizes the storage to 0 bytes.
+    """
+    with stream_sanitizer(install=False, raise_on_race=False) as report:
+        dev = report.device
+        default, side = dev.current_stream(), dev.Stream()
+        x = torch.ones(1024)  # 4 KiB, allocated on the default stream
+        side.wait_stream(default)
+        with dev.stream(side):
+            x.sum()  # read on the side stream
+        if wait == "before-free":
+            default.wait_stream(side)
+        if free == "del":
+            del x
+        else:
+            x.untyped_storage().resize_(0)
+        if wait == "after-free":
+            default.wait_stream(side)
+        with dev.stream(side if realloc_stream == "side" else None):
+            torch.empty(realloc_numel).fill_(2.0)
+    return report
+
+
+@pytest.mark.parametrize("free", ["del", "resize"])
+def test_unsafe_reuse_is_reported_with_both_stacks(free: str) -> None:
+    report = _free_then_reallocate("none", free=free)
+    assert len(report.errors) == 1, report.races
+    error = report.errors[0]
+    assert isinstance(error, UnsafeReuseError)
+    side = report.streams[1].id
+    assert (error.owner_stream, error.use.stream) == (0, side)
+    assert "aten::sum" in error.use.operator and "aten::empty" in error.reuse_operator
+    assert report.unsafe_reuses == report.races
+    assert report.frees >= 1 and report.pending_frees == 1
+    text = str(error)
+    assert "Unsafe reuse of a freed block" in text
+    # Both stacks lead back to this test's helper: where the side stream read, and where the
+    # default stream took the block again.
+    assert text.count("_free_then_reallocate") >= 2, text
+
+
+@pytest.mark.parametrize("wait", ["before-free", "after-free"])
+def test_reuse_after_the_owner_waited_is_clean(wait: str) -> None:
+    report = _free_then_reallocate(wait)
+    assert report.errors == [], report.races
+    assert report.pending_frees == (1 if wait == "after-free" else 0)
+
+
+def test_allocation_on_another_stream_does_not_take_the_block() -> None:
+    """The freed block went back to the default stream's pool, not the side stream's."""
+    report = _free_then_reallocate("none", realloc_stream="side")
+    assert report.errors == [], report.races
+
+
+def test_allocation_the_block_cannot_serve_does_not_take_it() -> None:
+    """Larger than the block (8 KiB > 4 KiB): the allocator serves it from elsewhere."""
+    report = _free_then_reallocate("none", realloc_numel=2048)
+    assert report.errors == [], report.races
+
+
+def test_unsafe_reuse_raises_on_exit() -> None:
+    with pytest.raises(StreamRaceError) as info, stream_sanitizer(install=False) as report:
+        dev = report.device
+        side = dev.Stream()
+        x = torch.ones(256)
+        side.wait_stream(dev.current_stream())
+        with dev.stream(side):
+            x.add_(1)  # written on the side stream
+        del x
+        torch.zeros(256)
+    assert "Unsafe reuse of a freed block" in str(info.value)

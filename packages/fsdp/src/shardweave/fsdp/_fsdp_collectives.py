@@ -12,12 +12,14 @@ Design note: the collective seam
     and calls the comm inside ``stream(...)`` of the stream it belongs to, then records an
     event there. Waiting makes the consuming stream wait for that event and, where the
     backend completes work on its own threads (CPU: gloo, the threaded test group), waits for
-    the ``Work`` on the host, polling the failure channel (``_fault.wait``). On accelerators
-    the comm's ``Work`` is waited at once, untimed, inside the stream context, so the backend
-    orders it on that stream (as ``async_op=False`` would) and the host never blocks; only
-    ``unshard(async_op=True)`` keeps the ``Work`` for later, waited without a timeout
-    (stream-ordered on NCCL). Every ``Work`` is also handed to the watchdog (``_watchdog``),
-    which polls it for completion to diagnose stalls. The c10d calls themselves come
+    the ``Work`` on the host, polling the failure channel (``_fault.wait``). On stream-ordered
+    devices (``CommStreams.stream_ordered``: accelerators, and the test accelerator) the comm
+    is called with ``async_op=False`` inside the stream context, as torch's FSDP2 does: the
+    backend runs it on that stream, the host never blocks, and buffers live by the engine's
+    own references (see Design note: stream ordering); only ``unshard(async_op=True)`` keeps
+    a ``Work`` for later, waited without a timeout (stream-ordered on NCCL). The watchdog
+    (``_watchdog``) polls each ``Work``, or the event after a stream-ordered collective, for
+    completion to diagnose stalls. The c10d calls themselves come
     from the ``COLLECTIVES`` extension point (c10d by default, shipped by this package).
 """
 
@@ -269,12 +271,26 @@ def release_finished_buffer(buffer: torch.Tensor, comm: AllGather | ReduceScatte
         (the all-gather output has been copied out, the reduce-scatter input was only read), so
         its storage is freed here (resized to 0 bytes; the Work keeps an empty tensor).
 
-        Only ``torch.empty`` buffers of the default comms on CPU are released: a custom comm's
-        ``allocate`` may hand out memory it reuses (a pool, symmetric memory), and on CUDA the
-        caching allocator's stream bookkeeping decides when a block may be reused.
+        Only ``torch.empty`` buffers of the default comms, and only where the collective was
+        finished by a host wait (``InFlight.finished_on_host``: not on stream-ordered devices),
+        are released: a custom comm's ``allocate`` may hand out memory it reuses (a pool,
+        symmetric memory), and on accelerators dropping the last reference after the owning
+        stream waited is the release. Callers release only after the stream that allocated
+        the buffer has waited for its last use (see Design note: stream ordering), so the
+        discipline is the accelerators' one even where streams are no-ops.
     """
-    if buffer.device.type == "cpu" and type(comm) in (DefaultAllGather, DefaultReduceScatter):
+    if type(comm) in (DefaultAllGather, DefaultReduceScatter):
         buffer.untyped_storage().resize_(0)
+
+
+class _EventCompletion:
+    """What the watchdog polls for a stream-ordered collective: its event, device-side."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
 
 
 @dataclass
@@ -289,8 +305,9 @@ class InFlight:
     tracked: _watchdog.Tracked | None = None  # the watchdog's entry
     ignores_timeout: bool = False  # see _fault._wait_on_thread (gloo's reduce-scatter)
     done: bool = field(default=False, init=False)
-    # Its Work was waited on the host (CPU backends): the collective has finished writing.
-    waited_on_host: bool = field(default=False, init=False)
+    # Its Work was waited on the host on a device whose streams do not order collectives
+    # (CPU): the collective has finished writing, and its buffers may be released early.
+    finished_on_host: bool = field(default=False, init=False)
 
     def wait(self, streams: CommStreams, stream: Any) -> None:
         """Make ``stream`` wait for the collective (idempotent); see Design note: the
@@ -300,7 +317,7 @@ class InFlight:
         self.done = True
         wait_event(stream, self.event)
         if self.work is not None:
-            self.waited_on_host = True
+            self.finished_on_host = not streams.stream_ordered
             record = self.record
             if record is not None and record.wait_ns is None:
                 record.wait_ns = _trace.now()
@@ -352,8 +369,11 @@ def issue(
 
     ``launch(async_op)`` calls the comm; ``tensor`` is what the check and the tracer
     describe (the all-gather output, the reduce-scatter input, the all-reduced tensor).
-    ``host_wait`` keeps the ``Work`` for a later host-side wait on accelerators too (torch's
-    ``unshard(async_op=True)``); on CPU it is always kept.
+    On stream-ordered devices the comm is called with ``async_op=False`` inside the stream
+    context, as torch's FSDP2 does: the backend runs it on ``stream`` (NCCL on the current
+    stream, no hop through its internal one) and nothing waits on the host; the watchdog
+    then polls the event recorded after it. ``host_wait`` keeps a ``Work`` for a later wait
+    there too (torch's ``unshard(async_op=True)``); on CPU the ``Work`` is always kept.
     """
     step, seq = _fault.next_collective()
     if _fault.checks_enabled():
@@ -364,23 +384,21 @@ def issue(
     if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
         key = trace_key if isinstance(trace_key, str) else trace_key()
         record = _trace.ACTIVE.collective_issue(kind, key, tensor, group)
-    host_side = host_wait or tensor.device.type == "cpu"
+    host_side = host_wait or not streams.stream_ordered
     with streams.use(stream):
-        # Always a Work, for the watchdog to poll. On accelerators an untimed wait inside the
-        # stream context orders the collective on `stream` (what async_op=False does) and
-        # costs the host nothing.
-        work = launch(True)
-        if work is not None and not host_side:
-            work.wait()
+        work = launch(True) if host_side else launch(False)
         event = stream.record_event()
+    if not host_side:
+        work = None  # a backend may return one anyway; the event is what orders it
     tracked = None
-    if work is not None:
-        tracked = _watchdog.Tracked(step, seq, kind, name, group, tensor.device.type, work)
+    polled = work if work is not None else _EventCompletion(event) if event is not None else None
+    if polled is not None:
+        tracked = _watchdog.Tracked(step, seq, kind, name, group, tensor.device.type, polled)
         _watchdog.track(tracked)
     return InFlight(
         what,
         tensor.device,
-        work if host_side else None,
+        work,
         event,
         record,
         tracked,
@@ -570,9 +588,20 @@ class GradientReduction:
         # Kept until the current stream waited for ``reduce_scatter_event`` (point 6).
         self.reduce_scatter_input: torch.Tensor | None = None
         self.reduce_scatter_event: Any = None
+        # The reduce-scatter was finished by a host wait (CPU): its input may be freed at once
+        # when the current stream has waited (see release_finished_buffer).
+        self.reduce_scatter_finished_on_host = False
+        # The reduce-dtype output, allocated on the reduce-scatter stream and used on another
+        # (the all-reduce, a hook): kept until the reduce-scatter stream waited for
+        # ``post_reduce_event`` (point 8), as the next reduction would take its block.
+        self.all_reduce_buffer: torch.Tensor | None = None
         self.post_reduce_event: Any = None
         self.offload_event: Any = None  # the last non-blocking device-to-host grad copy
         self.done = False
+
+    @property
+    def reduce_scatter_comm(self) -> ReduceScatter:
+        return self._rs_comm
 
     @property
     def in_all_reduce(self) -> bool:
@@ -642,11 +671,10 @@ class GradientReduction:
         rs_stream.wait_stream(current)
         with streams.use(rs_stream):
             _div_(rs_input, pre)
-            output = (
-                self._rs_comm.allocate((out_numel,), dtype=rdtype, device=self._device)
-                if world > 1
-                else rs_input
-            )
+            # The output is the reduce-scatter stream's own block, also with one rank: the input
+            # belongs to the current stream, which must not have to wait for the all-reduce or
+            # the casts before reusing it (see Design note: stream ordering, points 6 and 8).
+            output = self._rs_comm.allocate((out_numel,), dtype=rdtype, device=self._device)
         if world > 1:
             assert rs_group is not None
             comm, out = self._rs_comm, output
@@ -673,14 +701,16 @@ class GradientReduction:
             )
             self.reduce_scatter_event = in_flight.event
             yield in_flight, rs_stream
-            release_finished_buffer(rs_input, self._rs_comm)
+            self.reduce_scatter_finished_on_host = in_flight.finished_on_host
         else:
+            with streams.use(rs_stream):
+                if self._divide_factor is not None and pre is None and post is None:
+                    # Difference from torch: torch divides by the factor here *and* applies
+                    # pre/post factors in the fp16/force-sum cases; we divide exactly once.
+                    torch.div(rs_input, self._divide_factor, out=output)
+                else:
+                    output.copy_(rs_input)
             self.reduce_scatter_event = rs_stream.record_event()
-            if self._divide_factor is not None and pre is None and post is None:
-                # Difference from torch: torch divides by the factor here *and* applies pre/post
-                # factors in the fp16/force-sum cases; we divide exactly once.
-                with streams.use(rs_stream):
-                    output = output / self._divide_factor
         post_stream = rs_stream
         if ar_group is not None:
             with streams.use(rs_stream):
@@ -717,6 +747,8 @@ class GradientReduction:
             with streams.use(hook_stream):
                 self._hook(output)
             post_stream = hook_stream
+        if post_stream is not rs_stream:
+            self.all_reduce_buffer = output  # point 8
         with streams.use(post_stream):
             _div_(output, post)
             if output.dtype != self._orig_dtype:

@@ -84,6 +84,9 @@ class FSDPCommContext:
         # runs to its end at issue, ordered by events).
         self._reduce_scatters: deque[GradientReduction] = deque()
         self._all_reduces: list[GradientReduction] = []
+        # Point 8: reduce-scatter outputs another stream used, with the event after that use;
+        # dropped once the reduce-scatter stream waited for it.
+        self._all_reduce_buffers: list[tuple[torch.Tensor, Any]] = []
         self._post_reduce_events: list[Any] = []
         self._offload_event: Any = None
         # Implicit forward prefetch: the states whose forward began, in this iteration's
@@ -123,10 +126,19 @@ class FSDPCommContext:
         self._finish_all_reduces()
         while len(self._reduce_scatters) >= self.reduce_scatter_max_input_buffers:
             self._retire_reduce_scatter(self._reduce_scatters.popleft())
+        streams = self.streams(device)
+        self._release_all_reduce_buffers(streams)
         reduction.start()
-        if device.type != "cpu":
-            reduction.finish()  # stream-ordered: the host does not wait
+        if streams.stream_ordered:
+            reduction.finish()  # ordered by events: the host does not wait
         self._reduce_scatters.append(reduction)
+
+    def _release_all_reduce_buffers(self, streams: CommStreams) -> None:
+        """Point 8: the reduce-scatter stream waits for the last use of its earlier outputs
+        on other streams, so its next allocations may take their blocks."""
+        for _, event in self._all_reduce_buffers:
+            wait_event(streams.reduce_scatter, event)
+        self._all_reduce_buffers.clear()
 
     def finish_reductions(self) -> None:
         """Point 7, at the end of backward: finish every reduction, make the current stream
@@ -140,6 +152,7 @@ class FSDPCommContext:
             current = self._streams.current()
             for event in self._post_reduce_events:
                 wait_event(current, event)
+            self._release_all_reduce_buffers(self._streams)
         self._post_reduce_events.clear()
         if self._offload_event is not None:
             # The CPU optimizer reads the offloaded gradients next: they must have landed.
@@ -152,6 +165,7 @@ class FSDPCommContext:
             reduction.abandon()
         self._all_reduces.clear()
         self._reduce_scatters.clear()
+        self._all_reduce_buffers.clear()
         self._post_reduce_events.clear()
         self._offload_event = None
         self.all_gather_state = None
@@ -169,7 +183,11 @@ class FSDPCommContext:
             reduction.advance()  # wait for the reduce-scatter; may issue the all-reduce
         assert self._streams is not None
         wait_event(self._streams.current(), reduction.reduce_scatter_event)
-        reduction.reduce_scatter_input = None  # the current stream may reuse its memory now
+        # The current stream may reuse its memory now.
+        rs_input, reduction.reduce_scatter_input = reduction.reduce_scatter_input, None
+        if rs_input is not None and reduction.reduce_scatter_finished_on_host:
+            release_finished_buffer(rs_input, reduction.reduce_scatter_comm)
+        del rs_input
         if reduction.done:
             self._finished(reduction)
         else:
@@ -177,6 +195,11 @@ class FSDPCommContext:
 
     def _finished(self, reduction: GradientReduction) -> None:
         self._post_reduce_events.append(reduction.post_reduce_event)
+        if reduction.all_reduce_buffer is not None:
+            self._all_reduce_buffers.append(
+                (reduction.all_reduce_buffer, reduction.post_reduce_event)
+            )
+            reduction.all_reduce_buffer = None
         if reduction.offload_event is not None:
             self._offload_event = reduction.offload_event
 
@@ -597,12 +620,13 @@ class FSDPParamGroup:
             copy_out_event = current.record_event()
             # Point 3: the all-gather streams must not reuse these buffers before the copy-out.
             self.comm_ctx.wait_for_previous_all_gather()
-            if self._training_state == TrainingState.FORWARD:
+            on_host = result.in_flight is not None and result.in_flight.finished_on_host
+            if self._training_state == TrainingState.FORWARD and not on_host:
                 self.comm_ctx.all_gather_state = (result, copy_out_event)
             else:
                 streams.all_gather_waits(copy_out_event)
-            if result.in_flight is not None and result.in_flight.waited_on_host:
-                release_finished_buffer(result.output, self._all_gather_comm)
+                if on_host:  # CPU: free it now that its owner waited (a no-op there)
+                    release_finished_buffer(result.output, self._all_gather_comm)
         for p in self.fsdp_params:
             p.init_unsharded_param()
             p.to_unsharded()
@@ -767,7 +791,10 @@ class FSDPParamGroup:
             and self.gradient_divide_factor is None
             and not self.force_sum_reduction_for_comms
             and self._all_reduce_hook is None
-            and self.device.type == "cpu"
+            # Where the host waits for collectives (CPU), one all-reduce per group costs a
+            # wait each; on stream-ordered devices they overlap backward on their own stream
+            # (and per-group all-reduces match torch's replicate in time as in values).
+            and not self.comm_ctx.streams(self.device).stream_ordered
         )
 
     def finalize_backward(self) -> None:

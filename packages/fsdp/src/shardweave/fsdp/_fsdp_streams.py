@@ -43,13 +43,71 @@ Design note: stream ordering
     7. The end of backward: the current stream waits for every post-reduce event (the
        optimizer reads the sharded gradients there); with CPU offload to pinned memory, the
        host waits for the last device-to-host copy's event before the CPU optimizer runs.
+    8. The reduce-scatter output is allocated on the reduce-scatter stream (with one shard
+       rank too: the input is copied into it, as torch's FSDP2 does, so the current stream
+       never has to wait for an all-reduce before reusing its own block). When another
+       stream uses it (the HSDP / replicate all-reduce, an all-reduce hook, the casts after
+       them), the comm context keeps it until the reduce-scatter stream waited for the
+       post-reduce event: before the next reduction allocates there, or at the end of
+       backward.
 
-    Nothing calls ``record_stream``: a buffer used on another stream is simply kept alive
-    until the stream that allocated it has waited (points 3 and 6). On accelerators the host
-    never blocks on a collective: they are issued inside ``stream(...)`` and ordered by
-    events (see ``_fsdp_collectives``). This ordering is checked on CPU by the stream
-    sanitizer in the test suite (``tests/_dist/stream_sanitizer.py``), which substitutes a
-    fake device module through ``use_device_module``; it has not yet run on a GPU.
+    Every buffer one stream allocates and another uses, who keeps it alive, and until which
+    wait (on CUDA a freed block goes back to its allocating stream's pool and may be handed
+    out by that stream's next allocation, so the wait must come before the release):
+
+    ======================  ===========  =================================  =====================
+    buffer                  owner        kept by                            until
+    ======================  ===========  =================================  =====================
+    all-gather input (a     copy-in      ``AllGatherResult.input``, then    the all-gather streams
+    cast / concatenation)                the comm context's                 wait for the copy-out
+                                         ``all_gather_state`` (forward)     event (point 3)
+    all-gather output       all-gather   ``AllGatherResult.output``, then   same (point 3)
+                                         ``all_gather_state`` (forward)
+    post-forward shards     current      the FSDPParams                     the next unshard's
+    (int reshard)                                                           streams wait (point 4)
+    reduce-scatter input    current      ``GradientReduction.               the current stream
+                                         reduce_scatter_input``, in the     waits for the
+                                         comm context's queue               reduce-scatter event
+                                                                            (point 6)
+    reduce-scatter output   reduce-      ``FSDPCommContext.                 the reduce-scatter
+    used on another stream  scatter      _all_reduce_buffers``              stream waits for the
+                                                                            post-reduce event
+                                                                            (point 8)
+    sharded gradients       reduce-      the parameters (``.grad``)         the user's
+    (views or casts of the  scatter /                                       ``zero_grad``; the
+    output)                 all-reduce                                      next reduction's
+                                                                            streams wait for the
+                                                                            current one (point 5)
+    replicate bucket        current      ``_Bucket.buffer``                 the end of backward,
+    (CPU only)                                                              after the current
+                                                                            stream waited
+    ======================  ===========  =================================  =====================
+
+    Collectives are issued as torch's FSDP2 issues them: on stream-ordered devices with
+    ``async_op=False`` inside ``stream(...)`` (``_fsdp_collectives.issue``), so the backend
+    runs them on that stream and the event recorded after them orders every consumer;
+    nothing here relies on the backend keeping tensors alive (NCCL's own stashing is an
+    implementation detail): the table above does. On CPU (``CommStreams.stream_ordered`` is
+    False) the host waits each ``Work`` instead, and the engine may free a buffer's storage
+    at once after that wait (``release_finished_buffer``), but only at the same points, after
+    the owning stream's wait (a no-op on CPU). The watchdog polls the ``Work`` on CPU and the
+    event on accelerators.
+
+    Nothing calls ``record_stream``. This ordering is checked on CPU by the stream sanitizer
+    of the test suite (``tests/_dist/stream_sanitizer.py``), which substitutes a fake device
+    module through ``use_device_module`` and models the caching allocator; with
+    ``stream_ordered=True`` (its test accelerator) the engine takes its accelerator branches
+    with gloo underneath, and a collective lands only when a stream ordered after it runs, so
+    a missing wait is a race in the report and, for the collectives' outputs, a wrong number.
+    It has not yet run on a GPU.
+
+    Branches still taken on one kind of device only (``stream_ordered`` or the device type):
+    the host wait on a ``Work`` and the early storage release (CPU; gloo completes on the
+    host), replicate's gradient buckets (CPU: one host wait per bucket instead of per group),
+    ``_fault.wait``'s timed polling and the collective checks' timed waits (CPU; NCCL times
+    a wait from the issue), the watchdog's abort of the process group (accelerators), the
+    stream priorities (CUDA), pinned flat storage and the non-blocking host-to-device /
+    device-to-host copies of CPU offload (only when the compute device is not the CPU).
 """
 
 from __future__ import annotations
@@ -63,6 +121,7 @@ import torch
 __all__ = ["CommStreams", "device_module", "use_device_module", "wait_event"]
 
 _override: Any = None
+_override_stream_ordered = False
 
 
 def device_module(device: torch.device) -> Any:
@@ -73,18 +132,22 @@ def device_module(device: torch.device) -> Any:
 
 
 @contextlib.contextmanager
-def use_device_module(module: object) -> Iterator[None]:
+def use_device_module(module: object, *, stream_ordered: bool = False) -> Iterator[None]:
     """Make every comm context created inside use ``module``'s streams and events.
 
     The seam of the CPU stream sanitizer: it passes a fake device module whose streams are
     distinct, so a missing wait shows up as a race even though CPU streams are no-ops.
+    ``stream_ordered`` (the test accelerator): the engine takes the accelerator branches
+    (see ``CommStreams.stream_ordered``) although its tensors are on CPU; the fake module then
+    finishes each collective when a stream that waited for it next runs an op.
     """
-    global _override
-    previous, _override = _override, module
+    global _override, _override_stream_ordered
+    previous = _override, _override_stream_ordered
+    _override, _override_stream_ordered = module, stream_ordered
     try:
         yield
     finally:
-        _override = previous
+        _override, _override_stream_ordered = previous
 
 
 def wait_event(stream: Any, event: Any) -> None:
@@ -98,6 +161,15 @@ class CommStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device_handle = device_module(device)
+        # Whether streams order the collectives (accelerators, and the test accelerator): they
+        # are issued inside stream(...) and finished by events, the host never waits, and a
+        # buffer is released when its Python references go. Otherwise (CPU: gloo, the threaded
+        # test group) a collective is finished by a host wait on its Work, and buffers the
+        # engine allocated may be freed at once after that wait, once the streams that would
+        # reuse them have waited too (a no-op on CPU, checked by the sanitizer).
+        self.stream_ordered = (
+            _override_stream_ordered if _override is not None else device.type != "cpu"
+        )
         # High priority for the communication streams on CUDA, as torch's FSDP2: their kernels
         # are short and gate compute; other backends take the default.
         high = -1 if device.type == "cuda" else 0

@@ -1,0 +1,119 @@
+"""The engine's accelerator branches, run on CPU by the test accelerator of the stream sanitizer.
+
+Under ``stream_sanitizer(accelerator=True)`` the engine takes the branches it takes on CUDA
+(collectives issued with ``async_op=False`` inside their stream context, no host wait on a
+Work, every reduction run to its end at once, buffers released by stream order), while every
+collective behaves as on a GPU: it lands in its output only when a stream ordered after it
+runs. Oracle: the same scenario on the CPU branches without the sanitizer gives bitwise the
+same losses, gradients and parameters (and the CPU branches are bitwise equal to torch's
+``fully_shard`` in ``test_policies_parity.py`` / ``test_training.py``); torch's stream-race
+checker finds no race and the caching-allocator model no unsafe reuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import WorkerPool
+from tests.fsdp._stream_order import check_watched, mutated, sanitized_vs_plain
+
+BF16_REDUCE = {"mp": True, "reduce_dtype": torch.bfloat16}
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "per-block-and-root": {},
+    "mixed-precision-fp32-reduce": {"mp": True},
+    "mixed-precision-bf16-reduce": BF16_REDUCE,
+    "reshard-after-forward-false": {"reshard_after_forward": False},
+    "replicate": {"replicate": True},
+    "replicate-bf16-reduce": {"replicate": True, **BF16_REDUCE},
+    "hsdp-one-shard-rank-bf16-reduce": {"hsdp": True, **BF16_REDUCE},
+    "cpu-offload": {"offload": True},
+    "explicit-prefetch": {"prefetch": True},
+    "implicit-prefetch": {"implicit_prefetch": True},
+    "async-unshard": {"async_unshard": True},
+    "grad-accumulation": {"micro": 2},
+    "all-reduce-hook-on-user-stream": {"hook": "stream"},
+    "post-optim-event": {"post_optim_event": True},
+    "two-reduce-scatter-buffers": {"max_rs_buffers": 2},
+    "activation-checkpointing": {"checkpoint": True},
+}
+
+
+@pytest.mark.parametrize("cfg", list(SCENARIOS.values()), ids=list(SCENARIOS))
+def test_accelerator_branches_match_cpu_branches(world2: WorkerPool, cfg: dict[str, Any]) -> None:
+    """Oracle: the CPU branches' numbers, bitwise; no race, no unsafe reuse (2 steps)."""
+    check_watched(world2.run(sanitized_vs_plain, cfg, True), cfg)
+
+
+# (scenario, engine function whose stream waits are removed, what the report must name).
+# Each wait of Design note: stream ordering, and each keep-alive, through the wait that ends
+# it: without that wait the buffer is released while another stream's use is unordered.
+MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
+    "compute-waits-for-all-gather": (
+        {},
+        "InFlight.wait",
+        ("aten::split_with_sizes_copy", "c10d::_allgather_base_"),
+    ),
+    "reduce-scatter-waits-for-compute": (
+        {},
+        "GradientReduction._run",
+        ("c10d::_reduce_scatter_base_", "aten::_chunk_cat"),
+    ),
+    "all-gather-waits-for-optimizer": (
+        {},
+        "FSDPState._root_pre_forward",
+        ("c10d::_allgather_base_", "aten::add_"),
+    ),
+    "all-gather-waits-for-copy-in": (
+        {"mp": True},
+        "FSDPParamGroup.unshard",
+        ("c10d::_allgather_base_", "aten::_to_copy"),
+    ),
+    "optimizer-waits-for-post-reduce": (
+        BF16_REDUCE,
+        "FSDPCommContext.finish_reductions",
+        ("aten::_to_copy", "aten::add_"),
+    ),
+    # Keep-alive of the reduce-scatter input (point 6): released when the current stream
+    # waited for the reduce-scatter.
+    "keep-reduce-scatter-input": (
+        BF16_REDUCE,
+        "FSDPCommContext._retire_reduce_scatter",
+        ("unsafe reuse", "c10d::_reduce_scatter_base_"),
+    ),
+    # Keep-alive of the all-reduce buffer (point 8): replicate's one-rank reduce-scatter
+    # output, all-reduced on its own stream, then cast; released when the reduce-scatter
+    # stream waited for the all-reduce.
+    "keep-all-reduce-buffer": (
+        {"replicate": True, **BF16_REDUCE},
+        "FSDPCommContext._release_all_reduce_buffers",
+        ("unsafe reuse", "c10d::allreduce_"),
+    ),
+    # Keep-alive of the forward all-gather output (point 3): released when the all-gather
+    # streams waited for the copy-out.
+    "keep-all-gather-output": (
+        {},
+        "FSDPCommContext.wait_for_previous_all_gather",
+        ("aten::split_with_sizes_copy",),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MUTATIONS.values()), ids=list(MUTATIONS))
+def test_removed_wait_or_keep_alive_is_reported(
+    world2: WorkerPool, case: tuple[dict[str, Any], str, tuple[str, ...]]
+) -> None:
+    """Mutation test on the accelerator branches: each removal surfaces in the report.
+
+    Oracle: the report names the unordered pair (or the unsafe reuse); the same scenario
+    with every wait in place is clean (``test_accelerator_branches_match_cpu_branches``).
+    """
+    cfg, drop, names = case
+    for result in world2.run(mutated, cfg, drop, True):
+        assert isinstance(result, dict)
+        assert result["dropped"], f"{drop} issued no wait: the mutation did nothing"
+        races = result["races"]
+        assert any(all(n in r for n in names) for r in races), races
