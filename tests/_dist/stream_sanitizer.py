@@ -77,11 +77,12 @@ import traceback
 import weakref
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Final
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 from torch.cuda._sanitizer import (
     Access,
     ArgumentHandler,
@@ -554,15 +555,15 @@ def _rounded(nbytes: int) -> int:
 
 def _engine_frame() -> str:
     """The innermost ``shardweave`` frame on the stack (else the innermost frame)."""
-    frame = sys._getframe(1)
-    first = frame
+    first = sys._getframe(1)
+    frame: FrameType | None = first
     while frame is not None:
         if frame.f_globals.get("__name__", "").startswith("shardweave."):
             break
         frame = frame.f_back
-    frame = frame or first
-    code = frame.f_code
-    return f"{getattr(code, 'co_qualname', code.co_name)} ({frame.f_globals.get('__name__')}:{frame.f_lineno})"
+    found = frame or first
+    code = found.f_code
+    return f"{getattr(code, 'co_qualname', code.co_name)} ({found.f_globals.get('__name__')}:{found.f_lineno})"
 
 
 def _stack_here() -> traceback.StackSummary:
