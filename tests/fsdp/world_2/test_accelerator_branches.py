@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests._dist import WorkerPool
-from tests.fsdp._stream_order import check_watched, mutated, sanitized_vs_plain
+from tests.fsdp._stream_order import WAIT_MUTATIONS, check_watched, mutated, sanitized_vs_plain
 
 BF16_REDUCE = {"mp": True, "reduce_dtype": torch.bfloat16}
 
@@ -52,31 +52,7 @@ def test_accelerator_branches_match_cpu_branches(world2: WorkerPool, cfg: dict[s
 # Each wait of Design note: stream ordering, and each keep-alive, through the wait that ends
 # it: without that wait the buffer is released while another stream's use is unordered.
 MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
-    "compute-waits-for-all-gather": (
-        {},
-        "InFlight.wait",
-        ("aten::split_with_sizes_copy", "c10d::_allgather_base_"),
-    ),
-    "reduce-scatter-waits-for-compute": (
-        {},
-        "GradientReduction._run",
-        ("c10d::_reduce_scatter_base_", "aten::_chunk_cat"),
-    ),
-    "all-gather-waits-for-optimizer": (
-        {},
-        "FSDPState._root_pre_forward",
-        ("c10d::_allgather_base_", "aten::add_"),
-    ),
-    "all-gather-waits-for-copy-in": (
-        {"mp": True},
-        "FSDPParamGroup.unshard",
-        ("c10d::_allgather_base_", "aten::_to_copy"),
-    ),
-    "optimizer-waits-for-post-reduce": (
-        BF16_REDUCE,
-        "FSDPCommContext.finish_reductions",
-        ("aten::_to_copy", "aten::add_"),
-    ),
+    **WAIT_MUTATIONS,
     # Keep-alive of the reduce-scatter input (point 6): released when the current stream
     # waited for the reduce-scatter.
     "keep-reduce-scatter-input": (

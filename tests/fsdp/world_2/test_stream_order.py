@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._dist import WorkerPool
-from tests.fsdp._stream_order import check_watched, mutated, sanitized_vs_plain
+from tests.fsdp._stream_order import WAIT_MUTATIONS, check_watched, mutated, sanitized_vs_plain
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "per-block-and-root": {},
@@ -38,51 +38,12 @@ def test_training_is_race_free(world2: WorkerPool, cfg: dict[str, Any]) -> None:
     check_watched(world2.run(sanitized_vs_plain, cfg), cfg)
 
 
-# (scenario, engine function whose stream waits are removed, two ops one race must name)
-MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, str]]] = {
-    # Design note point 2: before the copy-out, the compute stream waits for the all-gather's
-    # event (in InFlight.wait, called from FSDPParamGroup.wait_for_unshard). Without it the
-    # copy-out reads the gathered buffer while the all-gather may still write it.
-    "compute-waits-for-all-gather": (
-        {},
-        "InFlight.wait",
-        ("aten::split_with_sizes_copy", "c10d::_allgather_base_"),
-    ),
-    # Point 5: the reduce-scatter stream waits for the compute stream, where the gradients were
-    # laid out into the reduce-scatter input. Without it the collective reads a half-written input.
-    "reduce-scatter-waits-for-compute": (
-        {},
-        "GradientReduction._run",
-        ("c10d::_reduce_scatter_base_", "aten::_chunk_cat"),
-    ),
-    # Point 1: the root's pre-forward makes the all-gather streams wait for the optimizer step,
-    # which wrote the shards on the compute stream. Without it step 2 gathers stale shards.
-    "all-gather-waits-for-optimizer": (
-        {},
-        "FSDPState._root_pre_forward",
-        ("c10d::_allgather_base_", "aten::add_"),
-    ),
-    # Point 2 again: the all-gather stream waits for the copy-in stream, which casts the shards
-    # to bf16 under mixed precision. Without it the all-gather sends a half-cast input.
-    "all-gather-waits-for-copy-in": (
-        {"mp": True},
-        "FSDPParamGroup.unshard",
-        ("c10d::_allgather_base_", "aten::_to_copy"),
-    ),
-    # Point 7: at the end of backward the compute stream waits for every post-reduce event.
-    # With a bf16 reduction the fp32 gradients are cast on the reduce-scatter stream after the
-    # reduce-scatter's event, so without it the optimizer reads gradients still being cast.
-    "optimizer-waits-for-post-reduce": (
-        {"mp": True, "reduce_dtype": torch.bfloat16},
-        "FSDPCommContext.finish_reductions",
-        ("aten::_to_copy", "aten::add_"),
-    ),
-}
+MUTATIONS = WAIT_MUTATIONS
 
 
 @pytest.mark.parametrize("case", list(MUTATIONS.values()), ids=list(MUTATIONS))
 def test_removed_engine_wait_is_reported(
-    world2: WorkerPool, case: tuple[dict[str, Any], str, tuple[str, str]]
+    world2: WorkerPool, case: tuple[dict[str, Any], str, tuple[str, ...]]
 ) -> None:
     """Mutation test: dropping one engine wait (two steps) must surface as a race.
 
