@@ -53,7 +53,9 @@ PACKAGE_SRCS = [
 ]
 SECTIONS = ("plugin", "parity", "delayed", "sync", "csan", "bench")
 CUDA_ONLY = ("sync", "csan", "bench")
-PARITY_CASES = ("fsdp", "bf16", "offload_hooks", "replicate", "hsdp_1x1")
+# ``cpu_batch``: the loop hands over CPU batches (the root moves them, as torch's does);
+# ``offload_hooks`` also compares the full state dict gathered from the offloaded shards.
+PARITY_CASES = ("fsdp", "cpu_batch", "bf16", "offload_hooks", "replicate", "hsdp_1x1")
 DELAYED_CASES = ("fsdp", "bf16", "hsdp_2x2", "replicate")
 # About 1 ms on a 1.5-2 GHz SM clock: longer than any collective of these small models takes.
 SLEEP_CYCLES = 2_000_000
@@ -163,7 +165,9 @@ def _train(model: Any, case: str, device: Any, steps: int, rank: int = 0) -> dic
     dim = model.out.in_features
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(4, 8, dim, generator=gen).to(device)
+        x = torch.randn(4, 8, dim, generator=gen)
+        if case != "cpu_batch":
+            x = x.to(device)
         loss = model(x).float().pow(2).mean()
         loss.backward()
         losses.append(loss.item())
@@ -179,7 +183,22 @@ def _train(model: Any, case: str, device: Any, steps: int, rank: int = 0) -> dic
         params.append(
             (name, local.detach().cpu(), None if grad_local is None else grad_local.cpu())
         )
-    return {"losses": losses, "params": params}
+    state: list[Any] = []
+    if case == "offload_hooks":
+        state = sorted((k, v.cpu()) for k, v in _full_state_dict(model).items())
+    return {"losses": losses, "params": params, "state": state}
+
+
+def _full_state_dict(model: Any) -> dict[str, Any]:
+    """The full state dict on CPU: torch's helper for torch's engine, ours for ours."""
+    from shardweave.fsdp import FSDPModule, get_full_state_dict
+
+    if isinstance(model, FSDPModule):  # ours (torch's modules are not instances of ours)
+        return get_full_state_dict(model, cpu_offload=True)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 def _compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
@@ -196,12 +215,16 @@ def _compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
             if not torch.equal(a, b):
                 mismatched.append(f"{name} {what}")
                 max_diff = max(max_diff, (a.double() - b.double()).abs().max().item())
+    for (name, a), (other, b) in zip(ours["state"], theirs["state"], strict=True):
+        if name != other or not torch.equal(a, b):
+            mismatched.append(f"full state dict {name}")
     same_losses = ours["losses"] == theirs["losses"]
     return {
         "bitwise": same_losses and not mismatched,
         "losses": {"shardweave": ours["losses"], "oracle": theirs["losses"]},
         "mismatched": mismatched[:10],
         "max_abs_diff": max_diff,
+        "state_dict_entries": len(ours["state"]),
     }
 
 

@@ -77,7 +77,11 @@ def _mesh(cfg: dict[str, Any], world: int) -> DeviceMesh:
     return init_device_mesh("cpu", (world,))
 
 
-def _wrap(model: nn.Module, cfg: dict[str, Any], world: int) -> None:
+def wrap_scenario(model: nn.Module, cfg: dict[str, Any], world: int, engine: str = "ours") -> None:
+    """Shard ``model`` as ``cfg`` says, with our engine or (``engine="torch"``) torch's."""
+    shard: Any = fully_shard
+    if engine == "torch":
+        from torch.distributed.fsdp import fully_shard as shard
     kwargs: dict[str, Any] = {"mesh": _mesh(cfg, world)}
     if cfg.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -86,19 +90,25 @@ def _wrap(model: nn.Module, cfg: dict[str, Any], world: int) -> None:
     if cfg.get("offload"):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if cfg.get("replicate"):
-        from shardweave.replicate import replicate  # fsdp's tests need not import replicate
+        if engine == "torch":
+            from torch.distributed._composable.replicate_with_fsdp import (
+                replicate,
+            )
+        else:
+            from shardweave.replicate import replicate  # type: ignore[assignment]
 
         shard_blocks(model, replicate, **kwargs)
         return
     if "reshard_after_forward" in cfg:
         kwargs["reshard_after_forward"] = cfg["reshard_after_forward"]
-    shard_blocks(model, fully_shard, **kwargs)
+    shard_blocks(model, shard, **kwargs)
     if cfg.get("prefetch"):
         layers = list(model.layers)  # type: ignore[arg-type]
         for i, layer in enumerate(layers):
             layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 2])
             layer.set_modules_to_backward_prefetch(layers[i - 1 : i] if i > 0 else [])
-    if cfg.get("implicit_prefetch"):
+    if cfg.get("implicit_prefetch") and engine != "torch":
+        # Ours only (torch has no implicit forward prefetch); it changes no number.
         model.set_implicit_forward_prefetch()  # type: ignore[operator]
     if cfg.get("checkpoint"):
         model.checkpoint = True  # type: ignore[assignment]
@@ -138,6 +148,7 @@ def train(
     drop_waits_from: Collection[str] = (),
     raise_on_race: bool = True,
     accelerator: bool = False,
+    engine: str = "ours",
 ) -> tuple[dict[str, list[torch.Tensor]], SanitizerReport | None]:
     """Build, wrap and train the scenario's model; the sanitizer (when asked) covers it all.
 
@@ -150,7 +161,7 @@ def train(
     out: dict[str, list[torch.Tensor]] = {"loss": [], "grad": [], "param": []}
     with _maybe_sanitized(sanitize, drop_waits_from, raise_on_race, accelerator) as report:
         model = make_model(kind)
-        _wrap(model, cfg, world)
+        wrap_scenario(model, cfg, world, engine)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for step in range(steps):
             for mb in range(micro):
@@ -191,13 +202,14 @@ def engine_unordered_frees(report: SanitizerReport) -> list[str]:
 
 
 def sanitized_vs_plain(
-    rank: int, world: int, cfg: dict[str, Any], accelerator: bool = False
+    rank: int, world: int, cfg: dict[str, Any], accelerator: bool = False, torch_oracle: bool = True
 ) -> dict[str, int]:
     """Body: the scenario without, then with, the sanitizer; bitwise equal, race-free, no
     unsafe reuse and no engine free before the owning stream waited.
 
     ``accelerator``: the sanitized run is on the test accelerator (the engine's accelerator
-    branches), the plain run on the CPU branches: both give the same numbers, bitwise.
+    branches), the plain run on the CPU branches: both give the same numbers, bitwise; and
+    (``torch_oracle``) so does torch's ``fully_shard`` (or ``replicate``) on the scenario.
     Returns what the sanitizer saw, so the test can check it really watched the engine.
     """
     plain, _ = train(rank, world, cfg, sanitize=False)
@@ -205,6 +217,9 @@ def sanitized_vs_plain(
     assert report is not None
     assert plain["grad"], f"{cfg}: no gradients compared"
     assert_bitwise_equal(sanitized, plain, f"{cfg} rank {rank}")
+    if accelerator and torch_oracle:
+        oracle, _ = train(rank, world, cfg, sanitize=False, engine="torch")
+        assert_bitwise_equal(sanitized, oracle, f"{cfg} rank {rank} vs torch's fully_shard")
     assert engine_unordered_frees(report) == [], engine_unordered_frees(report)
     return {
         "streams": len(report.streams),

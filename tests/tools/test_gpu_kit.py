@@ -45,8 +45,10 @@ def test_cpu_sections_pass_and_cuda_ones_are_skipped(tmp_path: Path) -> None:
     assert sections["plugin"]["passed"] and sections["plugin"]["calls"] == 16, sections["plugin"]
     parity = sections["parity"]
     assert parity["passed"], parity
-    for case in ("fsdp", "bf16", "offload_hooks", "replicate", "hsdp_1x1"):
+    for case in ("fsdp", "cpu_batch", "bf16", "offload_hooks", "replicate", "hsdp_1x1"):
         assert parity[case]["bitwise"] and len(parity[case]["losses"]["oracle"]) == 3, case
+    # 3 blocks x (norm, up, down) x (weight, bias) + out's weight and bias
+    assert parity["offload_hooks"]["state_dict_entries"] == 20, parity["offload_hooks"]
     delayed = sections["delayed"]
     assert delayed["passed"] and delayed["collectives_issued"] > 100, delayed
     for case in ("fsdp", "bf16", "hsdp_2x2", "replicate"):

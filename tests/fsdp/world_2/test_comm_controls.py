@@ -325,7 +325,23 @@ def symm_mem_wiring(rank: int, world: int) -> None:
 
     import torch.distributed._symmetric_memory as symm_mem_module
 
+    from shardweave.fsdp._fsdp_collectives import SymmMemAllGather
+
     fake = FakeSymmMem()
+    # Per all-gather: (its input lies in its output's storage, input offset, input numel).
+    inputs: list[tuple[bool, int, int]] = []
+    issue_all_gather = SymmMemAllGather.__call__
+
+    def record(
+        self: Any, output_tensor: torch.Tensor, input_tensor: torch.Tensor, **kw: Any
+    ) -> Any:
+        out, inp = output_tensor.untyped_storage(), input_tensor.untyped_storage()
+        inputs.append(
+            (inp.data_ptr() == out.data_ptr(), input_tensor.storage_offset(), input_tensor.numel())
+        )
+        return issue_all_gather(self, output_tensor, input_tensor, **kw)
+
+    SymmMemAllGather.__call__ = record  # type: ignore[method-assign]
     saved = {n: getattr(symm_mem_module, n) for n in ("set_backend", "get_mem_pool", "rendezvous")}
     saved_pool = torch.cuda.use_mem_pool
     for name in saved:
@@ -348,6 +364,9 @@ def symm_mem_wiring(rank: int, world: int) -> None:
         for m in (model, tmodel):
             loss_fn("mlp", m(batch), batch).backward()
         assert_same_as_torch(model, tmodel, "symmetric-memory comms")
+        # In place: each all-gather's input is this rank's slot of the symmetric output.
+        assert inputs and all(same for same, _, _ in inputs), inputs
+        assert all(offset == rank * numel for _, offset, numel in inputs), inputs
         group_name = groups[0].mesh_info.shard_process_group.group_name  # type: ignore[union-attr]
         sizes = sorted({n for n, name in fake.rendezvous_calls if name == group_name})
         expected_ag = sorted(
@@ -363,6 +382,7 @@ def symm_mem_wiring(rank: int, world: int) -> None:
         for name, fn in saved.items():
             setattr(symm_mem_module, name, fn)
         torch.cuda.use_mem_pool = saved_pool  # type: ignore[assignment]
+        SymmMemAllGather.__call__ = issue_all_gather  # type: ignore[method-assign]
 
     m = nn.Linear(2, 2)
     fully_shard(m)

@@ -212,8 +212,9 @@ class _ReduceScatterSingle(ReduceScatter):
 class SymmMemAllGather(_SymmMemAllocate, _AllGatherSingle):
     """``all_gather_single`` into a symmetric-memory output buffer (``set_symm_mem_for_comm``).
 
-    The all-gather is in place (each rank's input is its slice of the output), so only the
-    output is exchanged with the peers."""
+    The all-gather is in place: the group copies its input into this rank's slot of the
+    symmetric output (``FSDPParamGroup.unshard``), so only the output is exchanged with the
+    peers."""
 
     def __call__(
         self,
@@ -596,7 +597,7 @@ class GradientReduction:
         # ``post_reduce_event`` (point 8), as the next reduction would take its block.
         self.all_reduce_buffer: torch.Tensor | None = None
         self.post_reduce_event: Any = None
-        self.offload_event: Any = None  # the last non-blocking device-to-host grad copy
+        self.offload_event: Any = None  # after this reduction's non-blocking offload copies
         self.done = False
 
     @property

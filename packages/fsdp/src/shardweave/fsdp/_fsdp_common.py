@@ -181,6 +181,25 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], torch.Tensor], container: Any)
     return container
 
 
+def moves_forward_inputs(device: torch.device) -> bool:
+    """Whether a root on ``device`` moves its forward inputs there: the accelerator types
+    torch's FSDP2 (and DDP) move them for, so a loop that hands over CPU batches works alike
+    (not CPU, meta or MPS)."""
+    return device.type in ("cuda", "hpu", "xpu", "mtia", torch._C._get_privateuse1_backend_name())
+
+
+def inputs_to_device(
+    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with every tensor not on ``device`` copied there (a tensor
+    already there is passed as it is)."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == device else t.to(device)
+
+    return apply_to_tensors(move, args), apply_to_tensors(move, kwargs)
+
+
 def _walk_tensors(container: Any) -> Iterator[torch.Tensor]:
     if isinstance(container, torch.Tensor):
         yield container

@@ -650,6 +650,16 @@ class FSDPParam:
             return grad
         return torch.cat(torch.chunk(grad, world_size, dim=self.shard_dim), dim=0)
 
+    def offload_non_blocking(self, has_hooks: bool) -> bool:
+        """Whether this parameter's device-to-host gradient copy may run behind the host.
+
+        Only into pinned memory, and only when nothing on the host reads the copy before the
+        end of backward synchronizes its event: accumulating adds to ``.grad`` on the host at
+        once, and a post-accumulate-grad hook (an optimizer in backward) reads it at once, so
+        either would see pinned memory still being written (torch's FSDP2 decides the same).
+        """
+        return self.pin_memory and self.sharded_param.grad is None and not has_hooks
+
     def assign_sharded_grad(self, flat_shard: torch.Tensor) -> bool:
         """Set or accumulate ``sharded_param.grad`` from this param's slot of the reduce output.
 
@@ -658,19 +668,17 @@ class FSDPParam:
         """
         local = self._local_view(flat_shard)
         sharded = self.sharded_param
+        # Post-accumulate-grad hooks (optimizer-in-backward) fire on the sharded parameter,
+        # which autograd never sees, so they run below.
+        hooks = getattr(sharded, "_post_accumulate_grad_hooks", None)
         non_blocking = False
         if self.offload_to_cpu and local.device.type != "cpu":
-            # Pinned and not accumulating: the copy may run behind the host (torch's choice);
-            # accumulating adds on the host right away, so that copy must have landed.
-            non_blocking = self.pin_memory and sharded.grad is None
+            non_blocking = self.offload_non_blocking(bool(hooks))
             local = local.to("cpu", non_blocking=non_blocking)
         if sharded.grad is None:
             sharded.grad = _dtensor(local, self._sharding_spec)
         else:
             _local_tensor(sharded.grad).add_(local)
-        # Post-accumulate-grad hooks (optimizer-in-backward) fire on the sharded parameter,
-        # which autograd never sees, so run them here.
-        hooks = getattr(sharded, "_post_accumulate_grad_hooks", None)
         if hooks:
             for hook in hooks.values():
                 hook(sharded)

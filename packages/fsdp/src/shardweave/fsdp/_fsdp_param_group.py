@@ -88,7 +88,9 @@ class FSDPCommContext:
         # dropped once the reduce-scatter stream waited for it.
         self._all_reduce_buffers: list[tuple[torch.Tensor, Any]] = []
         self._post_reduce_events: list[Any] = []
-        self._offload_event: Any = None
+        # One per reduction that offloaded non-blocking: they end on different streams (the
+        # reduce-scatter, all-reduce or a hook stream), so no one of them stands for the rest.
+        self._offload_events: list[Any] = []
         # Implicit forward prefetch: the states whose forward began, in this iteration's
         # order, and the successor of each in the previous iteration (first occurrence).
         self.forward_order: list[Any] = []
@@ -142,7 +144,7 @@ class FSDPCommContext:
 
     def finish_reductions(self) -> None:
         """Point 7, at the end of backward: finish every reduction, make the current stream
-        wait for their results, and the host for the last offloaded gradient copy."""
+        wait for their results, and the host for every non-blocking gradient offload."""
         self._finish_all_reduces()
         while self._reduce_scatters:
             reduction = self._reduce_scatters.popleft()
@@ -154,10 +156,10 @@ class FSDPCommContext:
                 wait_event(current, event)
             self._release_all_reduce_buffers(self._streams)
         self._post_reduce_events.clear()
-        if self._offload_event is not None:
-            # The CPU optimizer reads the offloaded gradients next: they must have landed.
-            self._offload_event.synchronize()
-            self._offload_event = None
+        # The CPU optimizer reads the offloaded gradients next: they must have landed.
+        for event in self._offload_events:
+            event.synchronize()
+        self._offload_events.clear()
 
     def abandon_reductions(self) -> None:
         """After a failed step: wait out what is in flight and drop it."""
@@ -167,7 +169,7 @@ class FSDPCommContext:
         self._reduce_scatters.clear()
         self._all_reduce_buffers.clear()
         self._post_reduce_events.clear()
-        self._offload_event = None
+        self._offload_events.clear()
         self.all_gather_state = None
         self.forward_order.clear()
 
@@ -201,7 +203,7 @@ class FSDPCommContext:
             )
             reduction.all_reduce_buffer = None
         if reduction.offload_event is not None:
-            self._offload_event = reduction.offload_event
+            self._offload_events.append(reduction.offload_event)
 
 
 class FSDPParamGroup:
@@ -534,9 +536,9 @@ class FSDPParamGroup:
             return
         streams = self.comm_ctx.streams(self.device)
         copy_in_stream, all_gather_stream = self._all_gather_streams(async_op)
-        # Points 3 and 4: the previous copy-out and a post-forward reshard read or wrote
-        # memory the all-gather streams are about to reuse or read.
-        self.comm_ctx.wait_for_previous_all_gather()
+        # Point 4: a post-forward reshard wrote the shards the all-gather streams read. The
+        # previous forward copy-out is not waited for here but after this group's own copy-out
+        # (point 3), so this copy-in and all-gather overlap it, as in torch's FSDP2.
         event, self._reshard_after_forward_event = self._reshard_after_forward_event, None
         wait_event(copy_in_stream, event)
         wait_event(all_gather_stream, event)
@@ -556,11 +558,24 @@ class FSDPParamGroup:
                 inp, done, world, sizes, as_bytes, post_forward, kept_input
             )
             return
-        all_gather_stream.wait_stream(copy_in_stream)
-        with streams.use(all_gather_stream):
-            output = self._all_gather_comm.allocate(
-                (world * inp.numel(),), dtype=inp.dtype, device=self.device
-            )
+        if isinstance(self._all_gather_comm, SymmMemAllGather):
+            # In place, as the comm's peers address only the symmetric output: this rank's
+            # input is copied into its own slot of it (the one copy torch's FSDP2 always makes;
+            # otherwise the flat shard itself is the input).
+            with streams.use(copy_in_stream):
+                output = self._all_gather_comm.allocate(
+                    (world * inp.numel(),), dtype=inp.dtype, device=self.device
+                )
+                slot = output.narrow(0, info.shard_mesh_rank * inp.numel(), inp.numel())
+                slot.copy_(inp)
+            inp, kept_input = slot, None
+            all_gather_stream.wait_stream(copy_in_stream)
+        else:
+            all_gather_stream.wait_stream(copy_in_stream)
+            with streams.use(all_gather_stream):
+                output = self._all_gather_comm.allocate(
+                    (world * inp.numel(),), dtype=inp.dtype, device=self.device
+                )
         comm, pg = self._all_gather_comm, info.shard_process_group
 
         def launch(async_op: bool) -> dist.Work | None:

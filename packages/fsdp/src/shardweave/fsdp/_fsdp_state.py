@@ -20,6 +20,8 @@ from shardweave.fsdp._fsdp_common import (
     apply_to_tensors,
     cast_floating,
     collect_grad_tensors,
+    inputs_to_device,
+    moves_forward_inputs,
     run_eagerly,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
@@ -337,7 +339,7 @@ class FSDPState:
         first_in_pass = self._training_state != TrainingState.FORWARD
         self._training_state = TrainingState.FORWARD
         if first_in_pass:
-            self._root_pre_forward()
+            args, kwargs = self._root_pre_forward(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
         for group in self._fsdp_param_groups:
             args, kwargs = group.pre_forward(module, args, kwargs)
@@ -351,11 +353,13 @@ class FSDPState:
                     group.prefetch_unshard(TrainingState.FORWARD)
         return args, kwargs
 
-    def _root_pre_forward(self) -> None:
+    def _root_pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self._exc_at_forward = sys.exc_info()[1]
         self._lazy_init()
         if self._state_ctx.iter_forward_root is not None:
-            return
+            return args, kwargs
         self._state_ctx.iter_forward_root = self
         _fault.new_step()
         # See Design note: stream ordering (_fsdp_streams), point 1: the optimizer wrote the
@@ -368,6 +372,9 @@ class FSDPState:
             current = streams.current()
             streams.all_gather_copy_in.wait_stream(current)
             streams.all_gather.wait_stream(current)
+        if (args or kwargs) and moves_forward_inputs(self._device):
+            args, kwargs = inputs_to_device(args, kwargs, self._device)
+        return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:

@@ -29,8 +29,10 @@ Design note: stream ordering
        stream for both, as torch's FSDP2 does.
     3. An all-gather output is read by the current stream's copy-out, so it is not freed
        before the all-gather streams have waited for the copy-out's event: in forward the
-       comm context keeps the last output and its event until the next unshard (the next
-       all-gather waits, then drops it); elsewhere the all-gather streams wait at once.
+       comm context keeps the last output and its event until the next group's copy-out
+       (then both all-gather streams wait for the event and drop it), so the next group's
+       copy-in and all-gather, issued before, overlap this copy-out, as torch's FSDP2 does (at
+       most two gathered outputs alive); elsewhere the all-gather streams wait at once.
     4. An int ``reshard_after_forward`` copies the post-forward shards on the current stream
        and records an event that the next unshard's streams wait for.
     5. A post-backward: the reduce-scatter stream waits for the current stream (the
@@ -42,7 +44,9 @@ Design note: stream ordering
        ``reduce_scatter_max_input_buffers``, or at the end of backward.
     7. The end of backward: the current stream waits for every post-reduce event (the
        optimizer reads the sharded gradients there); with CPU offload to pinned memory, the
-       host waits for the last device-to-host copy's event before the CPU optimizer runs.
+       host waits for the event after every reduction's non-blocking device-to-host copies
+       before the CPU optimizer runs (they may end on different streams). A copy that the
+       host reads during backward (accumulation, a post-accumulate-grad hook) is blocking.
     8. The reduce-scatter output is allocated on the reduce-scatter stream (with one shard
        rank too: the input is copied into it, as torch's FSDP2 does, so the current stream
        never has to wait for an all-reduce before reusing its own block). When another
@@ -62,7 +66,9 @@ Design note: stream ordering
     cast / concatenation)                the comm context's                 wait for the copy-out
                                          ``all_gather_state`` (forward)     event (point 3)
     all-gather output       all-gather   ``AllGatherResult.output``, then   same (point 3)
-                                         ``all_gather_state`` (forward)
+                            (copy-in     ``all_gather_state`` (forward)
+                            with symm.
+                            memory)
     post-forward shards     current      the FSDPParams                     the next unshard's
     (int reshard)                                                           streams wait (point 4)
     reduce-scatter input    current      ``GradientReduction.               the current stream
@@ -78,6 +84,10 @@ Design note: stream ordering
     output)                 all-reduce                                      next reduction's
                                                                             streams wait for the
                                                                             current one (point 5)
+    offloaded gradients     reduce-      the parameters (``.grad``); the    read by the host only
+    (pinned host memory,    scatter /    comm context's offload events      after it synchronized
+    non-blocking copy)      all-reduce                                      every offload event
+                                                                            (point 7)
     replicate bucket        current      ``_Bucket.buffer``                 the end of backward,
     (CPU only)                                                              after the current
                                                                             stream waited

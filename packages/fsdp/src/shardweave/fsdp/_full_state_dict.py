@@ -103,6 +103,20 @@ def _padded_shape(value: DTensor, mesh_dim: int) -> tuple[int, ...]:
     return (rows_per_rank * value.device_mesh.size(mesh_dim), *value.shape[1:])
 
 
+def _comm_device(target: torch.Tensor) -> torch.device:
+    """Where a collective can move ``target``'s bytes: its own device, or the accelerator its
+    mesh (a plain tensor: the default group) runs on when it lives elsewhere, as CPU-offloaded
+    shards of a CUDA mesh do (NCCL moves only device memory)."""
+    if isinstance(target, DTensor):
+        local, kind = target.to_local(), target.device_mesh.device_type
+    else:
+        local = target
+        kind = "cuda" if dist.get_backend() == "nccl" else local.device.type
+    if local.device.type == kind:
+        return local.device
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
 class GatherBuffers:
     """One reusable gather output per device, as large as the largest padded full tensor.
 
@@ -117,7 +131,7 @@ class GatherBuffers:
         self._buffers: dict[torch.device, torch.Tensor] = {}  # 1D uint8
         for v in values:
             if isinstance(v, DTensor) and (d := _is_plain_dim0_shard(v.placements)) is not None:
-                device = v.device  # a DTensor's device is its local tensor's
+                device = _comm_device(v)  # where gather_full_tensor gathers it
                 nbytes = math.prod(_padded_shape(v, d)) * v.element_size()
                 self._nbytes[device] = max(self._nbytes.get(device, 0), nbytes)
 
@@ -157,10 +171,12 @@ def gather_full_tensor(value: torch.Tensor, buffers: GatherBuffers | None = None
         mesh = value.device_mesh
         n, idx = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
         shape = _padded_shape(value, mesh_dim)
+        # The mesh's device: CPU-offloaded shards are copied into the slot below.
+        device = _comm_device(value)
         if buffers is not None:
-            out = buffers.take(shape, local.dtype, local.device)
+            out = buffers.take(shape, local.dtype, device)
         else:
-            out = local.new_empty(shape)
+            out = local.new_empty(shape, device=device)
         if out.numel() > 0:
             # In place: this rank's padded shard is written into its own slot of the output,
             # so the output is the only allocation (no padded copy of the shard).
@@ -297,13 +313,6 @@ def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
                 f"placements {getattr(target, 'placements', None)} were not understood"
             )
         local.copy_(piece)
-
-
-def _comm_device(target: torch.Tensor) -> torch.device:
-    local = target.to_local() if isinstance(target, DTensor) else target
-    if local.device.type == "cpu" and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())  # NCCL moves only GPU memory
-    return local.device
 
 
 class LoadSource(NamedTuple):
