@@ -39,3 +39,19 @@ def test_removed_all_reduce_keep_alive_is_reported(world4: WorkerPool) -> None:
         assert isinstance(result, dict)
         assert result["dropped"], result
         assert any("unsafe reuse" in r and "c10d::allreduce_" in r for r in result["races"]), result
+
+
+def test_removed_all_reduce_wait_is_reported(world4: WorkerPool) -> None:
+    """Mutation test (Design note point 5): HSDP's all-reduce stream waits for the
+    reduce-scatter stream, whose collective wrote the buffer it all-reduces. With the waits
+    of ``GradientReduction._run`` removed, the report must name the all-reduce reading that
+    output unordered (beside the reduce-scatter's own race, which the world-2 test checks).
+    Oracle: the stream-race checker's report."""
+    drop = "GradientReduction._run"
+    for result in world4.run(mutated, {"hsdp": True}, drop, True):
+        assert isinstance(result, dict)
+        assert result["dropped"], result
+        races = result["races"]
+        assert any("c10d::allreduce_" in r and "c10d::_reduce_scatter_base_" in r for r in races), (
+            races
+        )
