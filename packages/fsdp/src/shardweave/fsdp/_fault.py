@@ -49,6 +49,7 @@ __all__ = [
     "CollectiveMismatchError",
     "PeerExitedError",
     "PeerFailureError",
+    "PeerIdleError",
     "checks_enabled",
     "failure_guard",
     "publish_failure",
@@ -96,6 +97,27 @@ class PeerExitedError(PeerFailureError):
             train_step()
         except PeerExitedError as e:
             print(e)  # "... rank 3 did not answer within 3 s (its process exited ...)"
+            dist.destroy_process_group()
+            raise SystemExit(1)
+    """
+
+
+class PeerIdleError(PeerFailureError):
+    """A peer has issued no collective for the idle timeout while this rank waited for it.
+
+    The peer is alive (it answers the watchdog) but stays outside the engine: it left the
+    training loop, or waits on something that never comes. Until the idle timeout (by default
+    the process group's own timeout, see ``set_idle_timeout``) such a pause is a warning,
+    never an error: a checkpoint write, an evaluation, a slow data loader or a first compile
+    on one rank are ordinary. The message names the idle rank and where it last was. The
+    process group cannot be used again.
+
+    Example::
+
+        try:
+            train_step()
+        except PeerIdleError as e:
+            print(e)  # "... rank 1 has issued no collective for 1800 s and is past ..."
             dist.destroy_process_group()
             raise SystemExit(1)
     """
@@ -314,7 +336,20 @@ def _timed_wait(work: dist.Work) -> bool:
             return True
         if "timed out" not in text:
             raise
+    if _completed(work):
+        # It finished meanwhile, or failed on its own: gloo's own collective timeout (the
+        # process group's) also says "timed out", and then the Work is complete. Waiting
+        # again returns at once, or raises the collective's error for the seam to explain.
+        work.wait()
+        return True
     return False
+
+
+def _completed(work: dist.Work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # not implemented (gloo's reduce-scatter): handled by _wait_on_thread
+        return False
 
 
 def _wait_on_thread(work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
@@ -522,5 +557,9 @@ def _missing_peers(group: dist.ProcessGroup, mine: str) -> list[str]:
 
 
 _VERDICT_TYPES.update(
-    {"CollectiveMismatchError": CollectiveMismatchError, "PeerExitedError": PeerExitedError}
+    {
+        "CollectiveMismatchError": CollectiveMismatchError,
+        "PeerExitedError": PeerExitedError,
+        "PeerIdleError": PeerIdleError,
+    }
 )

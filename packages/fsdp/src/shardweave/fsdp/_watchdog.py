@@ -15,13 +15,21 @@ Design note: stall diagnosis
     then judges each rank of the stalled collective's group:
 
     - at the same collective, still pending: merely slow. Logged once, and the wait goes on.
-    - ahead (a later collective or step), or at another collective with the same number:
-      ``CollectiveMismatchError``. It skipped a module or left the step.
-    - behind (an earlier collective or step): slow while it works. If it has issued no
-      collective for the whole threshold, or has not moved by the next diagnosis, it left the
-      step or is blocked outside the engine: ``CollectiveMismatchError``.
+    - ahead (a later collective or step) without having issued the stalled collective, or at
+      another collective with the same number: ``CollectiveMismatchError``. It skipped a
+      module. (Ahead after issuing it is no fault of its own: gloo completes a reduce-scatter
+      on some ranks before others.)
+    - behind (an earlier collective or step), having issued no collective for the threshold:
+      idle outside the engine. That is ordinary (rank 0 writing a checkpoint or evaluating,
+      host work between backward and the optimizer step, a slow data loader or first
+      compile), so it is a warning on every waiting rank, naming the idle rank and where it
+      last was, repeated with doubling gaps; only once the peer has been idle for the idle
+      timeout (``set_idle_timeout``, ``SHARDWEAVE_IDLE_TIMEOUT``, default: the process group's
+      own timeout, which torch's users already set) is it ``PeerIdleError``: it left the
+      training loop, or waits on something that never comes.
     - no answer within ``ANSWER_S``: ``PeerExitedError``. Its process exited (an exit record
-      says why when it could write one) or hangs outside Python.
+      says why when it could write one) or hangs outside Python. A paused rank still
+      answers: its watchdog thread runs while its training thread sleeps or computes.
 
     An error is published once through the failure channel (``_fault``), so every rank still
     waiting in the engine raises the same text. On CPU the training thread's 0.5 s wait poll
@@ -49,15 +57,26 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shardweave.fsdp import _fault
 
-__all__ = ["STALL_ENV", "Tracked", "new_epoch", "set_stall_timeout", "track"]
+__all__ = [
+    "IDLE_ENV",
+    "STALL_ENV",
+    "Tracked",
+    "new_epoch",
+    "process_group_timeout",
+    "set_idle_timeout",
+    "set_stall_timeout",
+    "track",
+]
 
 logger = logging.getLogger("shardweave.fsdp")
 
 STALL_ENV = "SHARDWEAVE_STALL_TIMEOUT"
+IDLE_ENV = "SHARDWEAVE_IDLE_TIMEOUT"
 DEFAULT_STALL_S = 10.0
 POLL_S = 0.5  # completion checks: local, cheap
 # Reading the store for peers' diagnosis requests is not cheap (a FileStore replays its log):
@@ -78,6 +97,27 @@ def _env_stall_timeout() -> float | None:
     return value
 
 
+def _env_idle_timeout() -> float | None:
+    """The idle timeout from the environment; None: the process group's own timeout."""
+    raw = os.environ.get(IDLE_ENV, "").strip()
+    if not raw:
+        return None
+    value = float(raw)
+    if value <= 0:
+        raise ValueError(f"{IDLE_ENV} must be positive seconds, got {raw!r}")
+    return value
+
+
+def process_group_timeout(pg: dist.ProcessGroup, device_type: str) -> float:
+    """Seconds: the timeout ``pg``'s backend for ``device_type`` was created with (the
+    ``timeout`` of ``init_process_group`` / ``new_group``), else c10d's default."""
+    try:
+        backend = pg._get_backend(torch.device(device_type))
+        return float(backend.options._timeout.total_seconds())
+    except Exception:  # a backend without options (a test or fake group)
+        return float(dist.default_pg_timeout.total_seconds())
+
+
 @dataclass
 class Tracked:
     """One collective the seam issued (see Design note: stall diagnosis)."""
@@ -94,6 +134,8 @@ class Tracked:
     finished: bool = False
     reported_slow: bool = False
     diagnosed_at: float | None = None  # when the last diagnosis of this collective ran
+    next_idle_warning: float = 0.0  # when an idle peer may be warned about again
+    idle_warning_gap: float = 0.0  # doubles after each warning
 
     def pending(self) -> bool:
         """Not yet waited on by the engine, nor reported complete by its backend."""
@@ -136,6 +178,7 @@ def describe(pos: dict[str, Any]) -> str:
 class Watchdog:
     def __init__(self) -> None:
         self.stall_timeout = _env_stall_timeout()
+        self.idle_timeout = _env_idle_timeout()  # None: the process group's timeout
         self._lock = threading.Lock()
         self._tracked: deque[Tracked] = deque()
         self._last: Tracked | None = None
@@ -145,22 +188,26 @@ class Watchdog:
         self._next_store_poll = 0.0
         self._epoch = 0
         self._failed_epoch = 0  # a verdict is final: no more diagnoses in that epoch
-        self._behind: dict[tuple[int, int], str] = {}  # (entry id, rank) -> position seen
+        # The last collectives this rank issued, answered with its position: a peer ahead of
+        # a stalled collective that issued it too got past it (gloo completes a reduce-scatter
+        # on some ranks before others) and skipped nothing.
+        self._issued: deque[list[Any]] = deque(maxlen=32)
 
     # --- the training thread's side ---------------------------------------------------------
     def new_epoch(self, epoch: int) -> None:
         with self._lock:
             self._tracked.clear()
             self._last = None
+            self._issued.clear()
             self._answered = 0
             self._epoch = epoch
-            self._behind.clear()
         if epoch != 0 and self.stall_timeout is not None:
             self._ensure_started()
 
     def track(self, entry: Tracked) -> None:
         with self._lock:
             self._last = entry  # this rank's position, answered even with diagnosis off
+            self._issued.append([entry.step, entry.seq, entry.kind, entry.group])
             if self.stall_timeout is not None:  # else no thread pops: keep nothing
                 # Drop what the engine already waited on, so the deque never outgrows the
                 # collectives actually in flight.
@@ -223,7 +270,9 @@ class Watchdog:
             last = self._last
         if last is None:
             return {"step": _fault._STATE.step, "seq": 0}
-        return last.position()
+        with self._lock:
+            issued = list(self._issued)
+        return {**last.position(), "issued": issued}
 
     def _answer(self, store: Any, generation: int | None = None) -> None:
         """Answer every diagnosis started since the last answer: several ranks may stall at
@@ -274,12 +323,15 @@ class Watchdog:
                 if rank not in answers and store.check([key]):
                     answers[rank] = json.loads(store.get(key).decode())
             if len(answers) < len(peers):
+                # Peers that stalled at the same moment diagnose too, and wait for this
+                # rank's answer as it waits for theirs.
+                self._answer(store)
                 time.sleep(0.05)
         if (not failed and not entry.pending()) or entry.epoch != _fault._STATE.epoch:
             return None  # it finished (or its model was dropped) while we asked
         exited: list[str] = []
         mismatched: list[str] = []
-        blocked: list[str] = []
+        idle: list[tuple[float, str]] = []  # (idle seconds, description) per idle peer
         threshold = self.stall_timeout or DEFAULT_STALL_S
         for rank in peers:
             pos = answers.get(rank)
@@ -297,20 +349,22 @@ class Watchdog:
                 if (pos.get("kind"), pos.get("group")) != (entry.kind, entry.group):
                     mismatched.append(f"rank {rank} is {describe(pos)}")
                 continue  # the same collective: slow at worst
-            if here > (entry.step, entry.seq):  # ahead: it skipped what this rank waits in
-                mismatched.append(f"rank {rank} is already {describe(pos)}")
-                continue
-            # Behind: computing, or stuck outside the engine. Idle for the whole threshold
-            # (or not moved since the previous diagnosis) means stuck.
-            behind = (id(entry), rank)
-            seen = json.dumps({k: v for k, v in pos.items() if k != "idle_s"}, sort_keys=True)
-            idle = not pos.get("pending") and float(pos.get("idle_s", 0.0)) >= threshold
-            if idle or self._behind.get(behind) == seen:
-                blocked.append(
-                    f"rank {rank} has issued no collective for {float(pos.get('idle_s', 0)):.0f}"
-                    f" s and is {describe(pos)} (left the step, or blocked outside the engine)"
+            if here > (entry.step, entry.seq):
+                stalled = [entry.step, entry.seq, entry.kind, entry.group]
+                if stalled not in pos.get("issued", []):  # it skipped what this rank waits in
+                    mismatched.append(f"rank {rank} is already {describe(pos)}")
+                continue  # it issued this collective too and got past it
+            # Behind: computing, or paused outside the engine; idle once it has issued no
+            # collective for the threshold (see Design note: stall diagnosis).
+            idle_s = float(pos.get("idle_s", 0.0))
+            if not pos.get("pending") and idle_s >= threshold:
+                idle.append(
+                    (
+                        idle_s,
+                        f"rank {rank} has issued no collective for {idle_s:.0f} s and is "
+                        f"{describe(pos)}",
+                    )
                 )
-            self._behind[behind] = seen
         state = "failed after" if failed else "has waited"
         where = (
             f"rank {me} {state} {waited:.0f} s in the {entry.kind} of group "
@@ -322,20 +376,57 @@ class Watchdog:
                 f"stall diagnosis: {where}, but " + "; ".join(exited) + ". The job cannot "
                 "continue without it: destroy the process group and restart",
             )
-        if mismatched or blocked:
+        if mismatched:
             return (
                 "CollectiveMismatchError",
-                f"stall diagnosis: {where}, but " + "; ".join(mismatched + blocked) + ". A "
-                "rank skipped a module, left the step or is stuck elsewhere; make every rank run "
-                "the same modules in the same order (for modules some ranks skip, call them "
-                "with empty inputs), or raise set_stall_timeout() for long pauses",
+                f"stall diagnosis: {where}, but " + "; ".join(mismatched) + ". A rank "
+                "skipped a module or left the step; make every rank run the same modules in "
+                "the same order (for modules some ranks skip, call them with empty inputs)",
             )
+        if idle:
+            return self._judge_idle(entry, where, idle, failed)
         if not entry.reported_slow and not failed:
             entry.reported_slow = True
             logger.warning(
                 "shardweave: %s; every rank of its group is at the same collective (or on the "
                 "way to it): a slow rank, not a hang. Still waiting.",
                 where,
+            )
+        return None
+
+    def idle_limit(self, entry: Tracked) -> float:
+        """Seconds a peer may stay idle before it is an error (see ``set_idle_timeout``)."""
+        if self.idle_timeout is not None:
+            return self.idle_timeout
+        return process_group_timeout(entry.pg, entry.device_type)
+
+    def _judge_idle(
+        self, entry: Tracked, where: str, idle: list[tuple[float, str]], failed: bool
+    ) -> tuple[str, str] | None:
+        """Idle peers: an error once one has been idle for the idle timeout (or this rank's
+        collective already failed), else a warning, repeated with doubling gaps."""
+        limit = self.idle_limit(entry)
+        text = "; ".join(d for _, d in idle)
+        if failed or max(s for s, _ in idle) >= limit:
+            return (
+                "PeerIdleError",
+                f"stall diagnosis: {where}, but {text}, past the idle timeout of {limit:.0f} s "
+                "(set_idle_timeout, SHARDWEAVE_IDLE_TIMEOUT; default the process group's "
+                "timeout). It left the training loop or waits on something that never comes; "
+                "the job cannot continue: destroy the process group and restart",
+            )
+        now = time.monotonic()
+        if now >= entry.next_idle_warning:
+            gap = entry.idle_warning_gap or (self.stall_timeout or DEFAULT_STALL_S)
+            entry.idle_warning_gap = 2 * gap
+            entry.next_idle_warning = now + gap
+            logger.warning(
+                "shardweave: %s; %s: paused outside the engine (a checkpoint, an evaluation, "
+                "a slow data loader or compile?). Not an error until it has been idle for "
+                "%.0f s (set_idle_timeout). Still waiting.",
+                where,
+                text,
+                limit,
             )
         return None
 
@@ -372,15 +463,17 @@ def set_stall_timeout(seconds: float | None) -> None:
     """How long a collective may wait before the watchdog asks every rank where it is.
 
     Process-wide; also ``SHARDWEAVE_STALL_TIMEOUT`` (seconds, or ``off``). ``None`` turns the
-    diagnosis off (the watchdog still answers peers' questions). Default 10 s. A rank that is
-    merely slow (every rank at the same collective) is logged, never an error; raise this for
-    jobs with long pauses between collectives on some ranks (a checkpoint write on rank 0).
+    diagnosis off (the watchdog still answers peers' questions). Default 10 s. Faults (ranks
+    at different collectives, a rank that raised or exited) are errors within about this
+    threshold plus a few seconds. A rank that is merely slow (every rank at the same
+    collective) is logged; a peer paused outside the engine is a warning until the idle
+    timeout (``set_idle_timeout``), so a checkpoint write on rank 0 needs no change here.
 
     Example::
 
         from shardweave.fsdp import set_stall_timeout
 
-        set_stall_timeout(60.0)  # rank 0 writes a checkpoint between steps
+        set_stall_timeout(30.0)  # diagnose later (e.g. a very slow interconnect)
     """
     if seconds is not None and (isinstance(seconds, bool) or not seconds > 0):
         raise ValueError(
@@ -390,3 +483,28 @@ def set_stall_timeout(seconds: float | None) -> None:
     WATCHDOG.stall_timeout = None if seconds is None else float(seconds)
     if seconds is not None and WATCHDOG._epoch != 0:
         WATCHDOG._ensure_started()
+
+
+def set_idle_timeout(seconds: float | None) -> None:
+    """How long a peer may stay idle outside the engine before the ranks waiting for it raise.
+
+    A rank that issues no collective while its peers wait for it (rank 0 writing a checkpoint
+    or evaluating, host work between backward and the optimizer step, a slow data loader or
+    first compile) is logged as a warning from the stall threshold on, naming it and where it
+    last was; it becomes ``PeerIdleError`` on every waiting rank only after it has been idle
+    for this long. ``None`` (the default) uses the process group's own timeout (the
+    ``timeout`` given to ``init_process_group``), which torch's users already set for long
+    pauses. Process-wide; also ``SHARDWEAVE_IDLE_TIMEOUT`` (seconds).
+
+    Example::
+
+        from shardweave.fsdp import set_idle_timeout
+
+        set_idle_timeout(3600.0)  # rank 0 may evaluate for up to an hour between steps
+    """
+    if seconds is not None and (isinstance(seconds, bool) or not seconds > 0):
+        raise ValueError(
+            f"set_idle_timeout: seconds must be positive (or None for the process group's "
+            f"timeout), got {seconds!r}"
+        )
+    WATCHDOG.idle_timeout = None if seconds is None else float(seconds)
