@@ -10,6 +10,7 @@ from shardweave.fsdp._fault import (
     CollectiveMismatchError,
     PeerExitedError,
     PeerFailureError,
+    PeerIdleError,
     failure_guard,
 )
 from shardweave.fsdp._fsdp_api import (
@@ -37,7 +38,7 @@ from shardweave.fsdp._safetensors import load_safetensors, save_safetensors
 from shardweave.fsdp._trace import CollectiveRecord, MemoryRecord, SpanRecord, StepRecord
 from shardweave.fsdp._trace_report import FSDPTracer, trace
 from shardweave.fsdp._version import __version__
-from shardweave.fsdp._watchdog import set_stall_timeout
+from shardweave.fsdp._watchdog import set_idle_timeout, set_stall_timeout
 from shardweave.mesh import DataParallelMeshDims
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "OffloadPolicy",
     "PeerExitedError",
     "PeerFailureError",
+    "PeerIdleError",
     "ReduceScatter",
     "ShardPlacementResult",
     "SpanRecord",
@@ -69,6 +71,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "save_safetensors",
     "set_full_state_dict",
+    "set_idle_timeout",
     "set_stall_timeout",
     "share_comm_ctx",
     "trace",
