@@ -26,9 +26,13 @@ EPOCH = 7
 
 
 def _entry(
-    step: int = 3, seq: int = 2, kind: str = "all_gather", group: str = "blocks.1"
+    step: int = 3,
+    seq: int = 2,
+    kind: str = "all_gather",
+    group: str = "blocks.1",
+    phase: Phase = Phase.BACKWARD,
 ) -> Tracked:
-    return Tracked(step, seq, kind, group, None, "cpu", None, epoch=EPOCH)  # type: ignore[arg-type]
+    return Tracked(step, seq, kind, group, None, "cpu", None, epoch=EPOCH, phase=phase)  # type: ignore[arg-type]
 
 
 def _pos(**kw: Any) -> dict[str, Any]:
@@ -53,8 +57,9 @@ def _state(
     return _channel.PeerState(1, pos, silent, watched, exit)
 
 
-def _category(pos: dict[str, Any] | None, **state: Any) -> str:
-    judged = Watchdog()._judge(_entry(), {1: _state(pos, **state)}, stall=1.0, lost=2.0)
+def _category(pos: dict[str, Any] | None, mine: Phase = Phase.BACKWARD, **state: Any) -> str:
+    entry = _entry(phase=mine)
+    judged = Watchdog()._judge(entry, {1: _state(pos, **state)}, stall=1.0, lost=2.0)
     found = [
         name for name in ("exited", "mismatched", "raised", "busy", "idle") if getattr(judged, name)
     ]
@@ -109,6 +114,11 @@ RULES: dict[str, tuple[dict[str, Any] | None, dict[str, Any], str]] = {
         _pos(phase=Phase.AFTER_BACKWARD.name, idle_s=2.0),
         {},
         "mismatched",
+    ),
+    "finished the step's backward, this rank unshards between steps": (
+        _pos(phase=Phase.AFTER_BACKWARD.name, idle_s=2.0),
+        {"mine": Phase.AFTER_BACKWARD},
+        "idle",
     ),
     "its backward stopped half-way": (
         _pos(phase=Phase.BACKWARD.name, abandoned=True),

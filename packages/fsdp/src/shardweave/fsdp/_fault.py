@@ -68,6 +68,7 @@ __all__ = [
     "Progress",
     "checks_enabled",
     "current_epoch",
+    "current_phase",
     "enter_phase",
     "failure_guard",
     "new_epoch",
@@ -268,6 +269,10 @@ def touch() -> None:
 
 def current_epoch() -> int:
     return _STATE.epoch
+
+
+def current_phase() -> Phase:
+    return _STATE.phase
 
 
 def progress() -> Progress:

@@ -108,6 +108,7 @@ class Tracked:
     device_side: bool = False  # completion is the device's (stream-ordered devices)
     check: bool = False  # the collective check's signature all-gather before this collective
     epoch: int = field(default_factory=_fault.current_epoch)  # the failure scope
+    phase: _fault.Phase = field(default_factory=_fault.current_phase)  # at its issue
     issued: float = field(default_factory=time.monotonic)
     finished: bool = False
     waiting_since: float | None = None  # when the host began to block on it (CPU)
@@ -445,7 +446,11 @@ class Watchdog:
                 continue
             idle_s = float(pos.get("idle_s", 0.0))
             if (
-                pos.get("phase") == _fault.Phase.AFTER_BACKWARD.name
+                # This rank is still in the step's forward or backward (not, say, in an
+                # unshard() between steps, which the peer may simply not have reached yet)...
+                entry.phase in (_fault.Phase.FORWARD, _fault.Phase.BACKWARD)
+                # ...and the peer finished that step's backward with fewer collectives.
+                and pos.get("phase") == _fault.Phase.AFTER_BACKWARD.name
                 and int(pos.get("step", 0)) == entry.step
                 and idle_s >= stall
             ):
