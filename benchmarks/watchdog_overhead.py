@@ -7,9 +7,10 @@ Run::
 
 Trains one workload of ``run.py`` (default ``gpt``) with shardweave's ``fully_shard`` in
 ``--world-size`` spawned CPU processes. Rounds alternate on / off / off / on (so drift hits both
-equally); "off" is ``set_stall_timeout(None)`` with the watchdog thread stopped, "on" the
-default (thread running, every collective registered, the store's diagnosis counter read each
-0.5 s). A step's time is the slowest rank's; the report is the ratio of the median step times.
+equally); "off" is ``set_stall_timeout(None)`` (the watchdog thread stopped), "on" the default
+(thread running, every collective registered and polled for completion each 0.5 s, a heartbeat
+written and the failure record read each second). A step's time is the slowest rank's; the
+report is the ratio of the median step times.
 """
 
 from __future__ import annotations
@@ -44,12 +45,8 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, ou
     times: dict[str, list[float]] = {"on": [], "off": []}
     for r in range(args.rounds):
         mode = "on" if r % 4 in (0, 3) else "off"
-        if mode == "on":
-            set_stall_timeout(_watchdog.DEFAULT_STALL_S)
-        else:
-            set_stall_timeout(None)
-            _watchdog.WATCHDOG.stop()
-        assert (_watchdog.WATCHDOG._thread is not None) == (mode == "on")
+        set_stall_timeout(_watchdog.DEFAULT_STALL_S if mode == "on" else None)
+        assert _watchdog.WATCHDOG.running() == (mode == "on")
         times[mode] += [step() for _ in range(args.steps)]
     out.put((rank, times))
     dist.destroy_process_group()

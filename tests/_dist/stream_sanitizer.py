@@ -409,17 +409,24 @@ class _PendingCollective:
             for staged, out in results
         ]
         self.done = False
+        self._waiting: Any = None  # the Work while the host blocks on it in finish()
 
     def completed(self) -> bool:
-        work = self.work
-        return self.done or work is None or bool(work.is_completed())
+        # Asked from the engine's watchdog thread too: a host blocked in finish() has not
+        # made the collective complete, so ask the backend until the wait returned.
+        work = self.work if self.work is not None else self._waiting
+        return work is None or bool(work.is_completed())
 
     def finish(self) -> None:
         if self.done:
             return
         self.done = True
         work, self.work = self.work, None
-        work.wait()
+        self._waiting = work
+        try:
+            work.wait()
+        finally:
+            self._waiting = None
         for staged, storage_ref, offset, size, stride, dtype in self._results:
             storage = storage_ref()
             if storage is None or storage.nbytes() == 0:

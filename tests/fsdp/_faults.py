@@ -25,12 +25,13 @@ class Block(nn.Module):
         self.lin = nn.Linear(dim, dim)
         self.fail_on: tuple[int, int] | None = None  # (rank, step) to raise at
         self.step = 0
+        self.act: Callable[[torch.Tensor], torch.Tensor] = torch.relu  # tests compile it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.step += 1
         if self.fail_on == (dist.get_rank(), self.step):
             raise ValueError(f"boom in block on rank {dist.get_rank()}")
-        return torch.relu(self.lin(x))
+        return self.act(self.lin(x))
 
 
 class Net(nn.Module):

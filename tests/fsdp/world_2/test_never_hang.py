@@ -20,10 +20,14 @@ from torch import nn
 from shardweave.fsdp import (
     CollectiveMismatchError,
     PeerFailureError,
+    PeerIdleError,
     failure_guard,
     fully_shard,
+    set_idle_timeout,
+    set_stall_timeout,
 )
 from shardweave.fsdp._fault import set_checks
+from shardweave.fsdp._watchdog import DEFAULT_STALL_S
 from tests._dist import WorkerPool, assert_close
 from tests.fsdp._faults import (
     DEADLINE_S,
@@ -33,6 +37,7 @@ from tests.fsdp._faults import (
     _fresh_mesh,
     _step,
 )
+from tests.fsdp._watchdog_cases import idle_warnings, watchdog_log
 
 
 def peer_raises_in_forward(rank: int, world: int) -> None:
@@ -98,25 +103,38 @@ def rank_skips_a_module(rank: int, world: int) -> None:
 
 
 def rank_leaves_the_step(rank: int, world: int) -> None:
-    """Checks on: rank 1 stops calling the model (an early exit) and waits elsewhere."""
+    """Checks on: rank 1 stops calling the model (an early exit) and waits elsewhere, alive.
+    Rank 0, waiting in the collective check, warns naming rank 1 at the stall threshold and
+    raises PeerIdleError at the idle timeout (both scaled down together: 1 s and 4 s)."""
     net = _build(_fresh_mesh())
     _step(net, rank, 0)
-    set_checks(True, stall_timeout=2.0)
+    set_checks(True)
+    set_stall_timeout(1.0)
+    set_idle_timeout(4.0)
     store = dist.distributed_c10d._get_default_store()
     try:
         if rank == 1:
             # Not in any collective: the peer must still learn who is missing.
             store.wait(["never_hang/left_done"], datetime.timedelta(seconds=60))
             return
-        elapsed = _expect(
-            rank,
-            lambda: _step(net, rank, 1),
-            {0: (CollectiveMismatchError, r"rank 1 did not join.*blocks\.0|rank 1 did not join")},
-        )
+        with watchdog_log() as log:
+            elapsed = _expect(
+                rank,
+                lambda: _step(net, rank, 1),
+                {
+                    0: (
+                        PeerIdleError,
+                        r"(?s)collective check before the all_gather.*rank 1 is alive",
+                    )
+                },
+            )
         store.set("never_hang/left_done", "1")
-        assert elapsed < DEADLINE_S, elapsed
+        assert 4.0 - 1.0 <= elapsed < DEADLINE_S, elapsed
+        assert idle_warnings(log, 1), log
     finally:
-        set_checks(False, stall_timeout=5.0)
+        set_checks(False)
+        set_stall_timeout(DEFAULT_STALL_S)
+        set_idle_timeout(None)
 
 
 class Experts(nn.Module):
@@ -197,5 +215,6 @@ def run_case(rank: int, world: int, name: str) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_faults_give_errors_not_hangs(world2: WorkerPool, name: str) -> None:
     """Oracle: the error contract (type and text on every rank, under 10 s with a 30 s
-    process-group timeout); unused_params also checks the reference and torch."""
+    process-group timeout; for the rank that left, PeerIdleError at the scaled idle timeout
+    after a warning); unused_params also checks the reference and torch."""
     world2.run(run_case, name, timeout=60)

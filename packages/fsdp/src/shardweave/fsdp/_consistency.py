@@ -9,24 +9,18 @@ full descriptions exchanged to name the first difference, on every rank.
 Design note: the exchange goes through the c10d store
     torch's FSDP2 issues no collective at lazy init, and code that counts collectives (torch's
     own tests, schedulers, profilers) expects the first step to issue exactly its number. So
-    the digests travel through the default c10d store that every rank already shares, never
-    through the model's process groups. Per process group (the shard group, then the
-    replicate group) each rank writes one small key and waits for its peers' keys, with a
-    bounded timeout that names the ranks that never arrived.
-
-    Keys are scoped by the group's role and ranks and by a generation drawn from an atomic
-    counter in the store (``store.add``): a rank finishes generation ``g`` only after every
-    peer wrote its key for ``g``, so every peer drew its ticket for ``g`` before anyone draws
-    one for ``g + 1``, and ``(ticket - 1) // group size`` is the same on every rank. Two
-    models, or two jobs sharing a store one after the other, never read each other's keys.
-    Once generation ``g`` is complete every peer has read generation ``g - 1``, so each rank
-    then deletes its own ``g - 1`` keys: the store holds one counter per group and at most one
-    key per rank and group, however many models are built.
+    the digests travel through the cross-rank channel (``_channel``: the default c10d store
+    that every rank already shares), never through the model's process groups. Per process
+    group (the shard group, then the replicate group) each rank publishes one small key in an
+    ``Exchange`` and collects its peers' keys, waiting by the channel's one timeout policy:
+    a warning naming the ranks not there yet at the stall threshold, an error naming them at
+    the timeout (``SHARDWEAVE_CONSISTENCY_TIMEOUT``, else the idle timeout, else the process
+    group's timeout). The exchange's generations keep two models, or two jobs sharing a
+    store, apart and the store bounded (see Design note: the channel).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import math
@@ -37,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from shardweave.fsdp import _channel
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo
 
 if TYPE_CHECKING:
@@ -47,8 +42,7 @@ __all__ = ["FSDPConsistencyError", "check_ranks_agree", "describe_groups"]
 _NONCE_BYTES = 8
 SKIP_ENV = "SHARDWEAVE_SKIP_CONSISTENCY_CHECK"
 TIMEOUT_ENV = "SHARDWEAVE_CONSISTENCY_TIMEOUT"
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
-_PREFIX = "shardweave/consistency"
+_SCOPE = "consistency"
 # First character of a rank's key: its digest and nonce follow (hex), or the error that
 # stopped it.
 _DIGEST = "D"
@@ -133,12 +127,9 @@ def check_ranks_agree(
     groups = _process_groups(mesh_info)
     if not groups:
         return None
-    store = dist.distributed_c10d._get_default_store()
     # Draw every group's generation first, so that a rank raising for its first group can
     # still tell the peers of its later groups (they would wait out the timeout otherwise).
-    exchanges = [
-        _Exchange(store, role, pg, _timeout(timeout, pg, device), api) for role, pg in groups
-    ]
+    exchanges = [_Check(role, pg, _timeout(timeout, pg, device), api) for role, pg in groups]
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     nonce = int.from_bytes(os.urandom(_NONCE_BYTES), "little")
     for index, exchange in enumerate(exchanges):
@@ -167,58 +158,39 @@ def _timeout(
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {seconds!r}")
         return datetime.timedelta(seconds=value)
-    try:  # the process group's own timeout (no public accessor in torch 2.13)
-        found = pg._get_backend(device).options._timeout
-        if isinstance(found, datetime.timedelta) and found.total_seconds() > 0:
-            return found
-    except Exception:  # a backend without options: use the default
-        pass
-    return _DEFAULT_TIMEOUT
+    return datetime.timedelta(seconds=_channel.TIMEOUTS.idle_for(pg, device))
 
 
-class _Exchange:
-    """One process group's share of the check: this rank's key and its peers' keys."""
+class _Check:
+    """One process group's share of the check: an exchange of this rank's digest (and, on a
+    mismatch, its description) with its peers'."""
 
     def __init__(
-        self,
-        store: dist.distributed_c10d.Store,
-        role: str,
-        pg: dist.ProcessGroup,
-        timeout: datetime.timedelta,
-        api: str,
+        self, role: str, pg: dist.ProcessGroup, timeout: datetime.timedelta, api: str
     ) -> None:
-        self._store, self._timeout, self._api = store, timeout, api
-        self.ranks = dist.get_process_group_ranks(pg)
-        self._rank = dist.get_rank()
-        scope = hashlib.sha256(f"{role}:{self.ranks}".encode()).hexdigest()[:16]
-        self._scope = f"{_PREFIX}/{scope}"
-        ticket = store.add(f"{self._scope}/tickets", 1)
-        self.generation = (ticket - 1) // len(self.ranks)
-
-    def _key(self, rank: int, generation: int, what: str = "digest") -> str:
-        return f"{self._scope}/{generation}/{rank}/{what}"
+        self._exchange = _channel.Exchange(_SCOPE, role, dist.get_process_group_ranks(pg))
+        self.ranks = self._exchange.ranks
+        self._timeout, self._api = timeout, api
 
     def publish(self, payload: str, what: str = "digest") -> None:
-        self._store.set(self._key(self._rank, self.generation, what), payload)
+        self._exchange.publish(payload, what)
 
     def collect(self, what: str = "digest") -> list[str]:
         """Every rank's ``what`` payload, in group-rank order; raises naming absent ranks."""
-        keys = [self._key(r, self.generation, what) for r in self.ranks]
+        seconds = self._timeout.total_seconds()
         try:
-            self._store.wait(keys, self._timeout)
-        except RuntimeError as exc:  # c10d's DistStoreError: "Wait timeout"
-            missing = [r for r, k in zip(self.ranks, keys, strict=True) if not self._present(k)]
-            if not missing:
-                raise
+            return self._exchange.collect(
+                seconds, what, waiting_for=f"its peers at the root's first forward ({self._api})"
+            )
+        except _channel.PeersMissing as exc:
             raise FSDPConsistencyError(
-                f"{self._api}: rank(s) {', '.join(map(str, missing))} of the process group "
+                f"{self._api}: rank(s) {', '.join(map(str, exc.missing))} of the process group "
                 f"with ranks {self.ranks} did not reach the root's first forward within "
-                f"{self._timeout.total_seconds():g} s, so the ranks cannot check that they "
-                "manage the same model. Run the first forward on every rank (a rank that "
-                "raised earlier says why in its own log), or raise the limit with "
-                f"{TIMEOUT_ENV}=<seconds>."
+                f"{exc.waited:.3g} s ({'; '.join(exc.details)}), so the ranks cannot check "
+                "that they manage the same model. Run the first forward on every rank (a rank "
+                "that raised earlier says why in its own log), or raise the limit with "
+                f"{TIMEOUT_ENV}=<seconds> (or set_idle_timeout)."
             ) from exc
-        return [self._store.get(k).decode() for k in keys]
 
     def agree(self, digest: str, nonce: int, lines: list[str]) -> int:
         """Publish ``digest`` and ``nonce``; return the group's first rank's nonce."""
@@ -227,7 +199,7 @@ class _Exchange:
         for row in rows:
             if row.startswith(_FAILED):  # a peer's earlier group disagreed
                 raise FSDPConsistencyError(row[len(_FAILED) :])
-        self._forget_previous()
+        self._exchange.forget_previous(("digest", "lines"))
         digests = [row.partition(":")[0] for row in rows]
         if any(d != digests[0] for d in digests):
             # Someone differs: every rank sees the same digests, so all take this path.
@@ -235,20 +207,6 @@ class _Exchange:
             everyone = [row.split("\n") for row in self.collect("lines")]
             raise FSDPConsistencyError(_first_difference(everyone, self.ranks, self._api))
         return int(rows[0].partition(":")[2], 16)
-
-    def _forget_previous(self) -> None:
-        # Every peer wrote its key for this generation, so it is done with the previous one.
-        if self.generation == 0:
-            return
-        for what in ("digest", "lines"):
-            with contextlib.suppress(Exception):  # best effort: a store without delete
-                self._store.delete_key(self._key(self._rank, self.generation - 1, what))
-
-    def _present(self, key: str) -> bool:
-        try:
-            return bool(self._store.check([key]))
-        except Exception:  # a broken store: report the rank as missing
-            return False
 
 
 def _first_difference(per_rank: list[list[str]], ranks: list[int], api: str) -> str:

@@ -3,26 +3,31 @@
 Design note: the failure channel
     Collectives cannot carry "I failed": a rank that raised mid-step simply never joins the
     next one, and its peers wait out the process-group timeout (or, on a size mismatch, gloo
-    aborts the process). So a rank that raises publishes the error in the c10d store, which
-    every rank already shares, and a rank waiting on a collective wakes every
-    ``POLL_INTERVAL`` seconds to look there. A collective that finishes in time costs nothing
-    extra: the first timed wait simply returns. The key is scoped to the current root lazy
-    init (``epoch``), so a failure in one job does not leak into a model built later.
+    aborts the process). So a rank that raises publishes the error through the cross-rank
+    channel (``_channel``: the c10d store every rank already shares), and the watchdog's
+    verdicts (``_watchdog``) go the same way. The record is scoped to the current root lazy
+    init (``epoch``), so a failure in one job does not leak into a model built later; the
+    first record of a scope wins on every rank.
 
-    The watchdog's stall diagnosis (``_watchdog``) publishes its verdict through the same key,
-    tagged with the error class (``verdict:<class>:<message>``), so a waiting rank raises
-    ``CollectiveMismatchError`` or ``PeerExitedError`` rather than ``PeerFailureError``. This
-    timed poll runs on CPU only; on accelerators a ``Work.wait(timeout)`` would abort the
-    communicator, and the watchdog aborts the group instead.
+    Every rank reads it the same way on every backend: its watchdog thread reads it once per
+    heartbeat and adopts it, and a rank waiting on a collective on CPU also reads it at each
+    ``POLL_INTERVAL`` wake-up. The training thread raises an adopted record at its next engine
+    call (``raise_if_failed``, before every collective the seam issues) or wait. A rank's own
+    exception is not raised back on that rank; a verdict is raised on every rank, the judge
+    and the culprit included. A verdict keeps its error class (``CollectiveMismatchError``,
+    ``PeerExitedError``, ``PeerIdleError``); a peer's exception becomes ``PeerFailureError``.
+
+    This module also keeps the rank's progress in the engine (step, collective number,
+    phase), which the watchdog publishes and the collective checks compare.
 
 Design note: collective checks (opt-in)
     With checks on (``FSDPModule.set_collective_checks`` or ``SHARDWEAVE_CHECK_COLLECTIVES=1``)
     every engine collective is preceded by an all-gather of its signature (step, sequence
     number, group, kind, element count, dtype) over the same process group, so a rank that
     skipped a module, reached another step or computed another shape is named on every rank
-    before any mismatched collective can abort or silently mix data. Each rank also writes its
-    position to the store, so a rank stuck waiting for a peer that never arrives can say which
-    peer is missing and where it was last seen.
+    before any mismatched collective can abort or silently mix data. The signature all-gather
+    is watched like any collective: a peer that never arrives is judged by the watchdog
+    (idle: a warning, then ``PeerIdleError`` at the idle timeout; exited: ``PeerExitedError``).
 """
 
 from __future__ import annotations
@@ -31,35 +36,57 @@ import atexit
 import contextlib
 import datetime
 import hashlib
+import json
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from shardweave.fsdp import _channel
 from shardweave.fsdp._consistency import FSDPConsistencyError
 from shardweave.fsdp._fsdp_common import COLLECTIVE_KINDS
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = [
     "CHECK_ENV",
     "CollectiveMismatchError",
+    "Failure",
     "PeerExitedError",
     "PeerFailureError",
     "PeerIdleError",
+    "Phase",
+    "Progress",
     "checks_enabled",
+    "current_epoch",
+    "current_phase",
+    "enter_phase",
     "failure_guard",
+    "new_epoch",
+    "new_step",
+    "next_collective",
+    "poll_failure",
+    "progress",
     "publish_failure",
+    "publish_verdict",
+    "raise_if_failed",
     "set_checks",
+    "verdict_error",
     "wait",
 ]
 
 CHECK_ENV = "SHARDWEAVE_CHECK_COLLECTIVES"
 POLL_INTERVAL = datetime.timedelta(seconds=0.5)
-_PREFIX = "shardweave/fault"
+_SCOPE = "fault"
 # Signature layout: step, sequence number, group hash, kind (index in COLLECTIVE_KINDS), numel,
 # dtype.
 _SIG_LEN = 6
@@ -86,38 +113,41 @@ class PeerFailureError(RuntimeError):
 class PeerExitedError(PeerFailureError):
     """A peer's process exited (or stopped answering) while this rank waited for it.
 
-    Raised on every rank still in the step when the watchdog's stall diagnosis (see
-    ``set_stall_timeout``) finds a rank of the stalled collective's group that no longer
-    answers. The message names the rank, and the collective, group and step this rank
-    waited in. The process group cannot be used again.
+    Raised on every rank when the watchdog finds that a rank of a stalled collective's group
+    is gone: it wrote an exit record (an uncaught exception, the interpreter ended), its
+    heartbeat stood still for the stall threshold (killed, crashed, the node lost), or its
+    connection closed under a collective. The message names the rank, where it was last seen,
+    and the collective, group and step this rank waited in. The process group cannot be used
+    again.
 
     Example::
 
         try:
             train_step()
         except PeerExitedError as e:
-            print(e)  # "... rank 3 did not answer within 3 s (its process exited ...)"
+            print(e)  # "... rank 3 stopped answering 10 s ago (its process exited ...)"
             dist.destroy_process_group()
             raise SystemExit(1)
     """
 
 
 class PeerIdleError(PeerFailureError):
-    """A peer has issued no collective for the idle timeout while this rank waited for it.
+    """A peer was alive but issued no collective for the idle timeout while this rank waited.
 
-    The peer is alive (it answers the watchdog) but stays outside the engine: it left the
-    training loop, or waits on something that never comes. Until the idle timeout (by default
-    the process group's own timeout, see ``set_idle_timeout``) such a pause is a warning,
-    never an error: a checkpoint write, an evaluation, a slow data loader or a first compile
-    on one rank are ordinary. The message names the idle rank and where it last was. The
-    process group cannot be used again.
+    A pause is not a fault: a rank writing a checkpoint, evaluating, loading data or compiling
+    while its peers wait in a collective is logged as a warning at the stall threshold
+    (``set_stall_timeout``), naming it and where it was, and again at doubling intervals.
+    Only when the wait reaches the idle timeout (``set_idle_timeout``, by default the process
+    group's own timeout, as torch would time out) does every rank raise this, naming the idle
+    rank and where it was last seen. The process group cannot be used again.
 
     Example::
 
         try:
             train_step()
         except PeerIdleError as e:
-            print(e)  # "... rank 1 has issued no collective for 1800 s and is past ..."
+            print(e)  # "rank 1 is alive but has issued no collective for 600 s; it is between
+            #            steps, after step 2's last reduce-scatter ..."
             dist.destroy_process_group()
             raise SystemExit(1)
     """
@@ -128,7 +158,8 @@ class CollectiveMismatchError(FSDPConsistencyError):
 
     Raised by the watchdog's stall diagnosis (on by default, see ``set_stall_timeout``) when a
     rank is at another collective or in another step than the one its peers wait in (it
-    skipped a module or left the step), and by the opt-in collective checks before a
+    skipped a module, or ran another number of collectives in the step), and by the opt-in
+    collective checks before a
     mismatched collective is issued at all (they cost one small all-gather per collective:
     turn them on to find why a job hangs, not for production runs). A subclass of
     ``FSDPConsistencyError``, so one ``except`` catches both.
@@ -144,35 +175,57 @@ class CollectiveMismatchError(FSDPConsistencyError):
     """
 
 
+class Phase(Enum):
+    """Where a rank is in the engine's step, as the watchdog reports it to its peers."""
+
+    INIT = "before its first step"
+    FORWARD = "in the forward"
+    AFTER_FORWARD = "between the forward and the backward"
+    BACKWARD = "in the backward"
+    AFTER_BACKWARD = "between steps"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot of this rank's progress in the current failure scope."""
+
+    epoch: int
+    step: int
+    seq: int  # collectives issued in this step
+    phase: Phase
+    idle_s: float  # since the engine last did anything (issued, waited, changed phase)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A published failure record (see Design note: the failure channel)."""
+
+    epoch: int
+    origin: int  # the rank that published it
+    kind: str  # the error class a verdict raises; "" for a rank's own exception
+    message: str
+
+
 class _FaultState:
-    """Process-wide: the current epoch, step and sequence number, and the check settings."""
+    """Process-wide: the failure scope, this rank's progress in it, and the check setting."""
 
     def __init__(self) -> None:
         self.epoch = 0  # agreed at each root lazy init; 0 = no root (or no peers) yet
         self.step = 0
         self.seq = 0
+        self.phase = Phase.INIT
+        self.active = time.monotonic()  # the engine's last activity
         self.checks = os.environ.get(CHECK_ENV) == "1"
-        self.stall_timeout = 5.0
         self.names: dict[int, str] = {}  # group hash -> group name, for peers' signatures
-        self.lock = threading.Lock()
         self.published = False
+        self.failure: Failure | None = None  # adopted, for the current epoch
 
 
 _STATE = _FaultState()
 
 
-def _store() -> dist.distributed_c10d.Store | None:
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError):
-        return None
-
-
-def _key(*parts: object, epoch: int | None = None) -> str:
-    scope = _STATE.epoch if epoch is None else epoch
-    return "/".join((_PREFIX, str(scope), *(str(p) for p in parts)))
+def _failure_key(epoch: int) -> str:
+    return _channel.key(_SCOPE, epoch, "failure")
 
 
 # --- lifecycle ----------------------------------------------------------------------------------
@@ -182,7 +235,10 @@ def new_epoch(nonce: int | None) -> None:
     _STATE.epoch = 0 if nonce is None else nonce
     _STATE.step = 0
     _STATE.seq = 0
+    _STATE.phase = Phase.INIT
+    _STATE.active = time.monotonic()
     _STATE.published = False
+    _STATE.failure = None
     _install_excepthook()
 
 
@@ -190,20 +246,43 @@ def new_step() -> None:
     """The root's forward started a new iteration."""
     _STATE.step += 1
     _STATE.seq = 0
+    enter_phase(Phase.FORWARD)
+
+
+def enter_phase(phase: Phase) -> None:
+    """The root's forward ended, its backward began, or the backward's final callback ran."""
+    _STATE.phase = phase
+    _STATE.active = time.monotonic()
 
 
 def next_collective() -> tuple[int, int]:
     """The (step, sequence number) of the collective the seam is about to issue."""
     _STATE.seq += 1
+    _STATE.active = time.monotonic()
     return _STATE.step, _STATE.seq
 
 
-def set_checks(enabled: bool, stall_timeout: float | None = None) -> None:
+def touch() -> None:
+    """The engine waited for a collective: it is working, not idle."""
+    _STATE.active = time.monotonic()
+
+
+def current_epoch() -> int:
+    return _STATE.epoch
+
+
+def current_phase() -> Phase:
+    return _STATE.phase
+
+
+def progress() -> Progress:
+    return Progress(
+        _STATE.epoch, _STATE.step, _STATE.seq, _STATE.phase, time.monotonic() - _STATE.active
+    )
+
+
+def set_checks(enabled: bool) -> None:
     _STATE.checks = enabled
-    if stall_timeout is not None:
-        if stall_timeout <= 0:
-            raise ValueError(f"stall_timeout must be positive seconds, got {stall_timeout!r}")
-        _STATE.stall_timeout = stall_timeout
 
 
 def checks_enabled() -> bool:
@@ -211,21 +290,71 @@ def checks_enabled() -> bool:
 
 
 # --- publishing -----------------------------------------------------------------------------
+def _publish(epoch: int, kind: str, message: str) -> bool:
+    client = _channel.store()
+    if client is None or epoch == 0:
+        return False
+    record = {"origin": dist.get_rank(), "kind": kind, "message": message}
+    with contextlib.suppress(Exception):  # never mask the original error
+        _channel.publish_once(client, _failure_key(epoch), json.dumps(record))
+        return True
+    return False
+
+
 def publish_failure(exc: BaseException, where: str = "") -> None:
     """Tell the peers that this rank failed with ``exc`` (first failure per epoch wins)."""
-    if isinstance(exc, (PeerFailureError, KeyboardInterrupt)) or _STATE.epoch == 0:
+    if isinstance(exc, (PeerFailureError, KeyboardInterrupt)) or _STATE.published:
         return
-    store = _store()
-    if store is None or _STATE.published:
-        return
-    rank = dist.get_rank()
     text = f"{type(exc).__name__}: {exc}"
     if len(text) > 2000:
         text = text[:2000] + " ..."
-    detail = f"rank {rank} raised {text}" + (f" ({where})" if where else "")
-    with contextlib.suppress(Exception):  # never mask the original error
-        store.compare_set(_key("failure"), "", detail)
-        _STATE.published = True
+    detail = f"rank {dist.get_rank()} raised {text}" if dist.is_initialized() else text
+    detail += f" ({where})" if where else ""
+    _STATE.published = _publish(_STATE.epoch, "", detail)
+
+
+def publish_verdict(kind: str, message: str, epoch: int) -> None:
+    """Publish the watchdog's verdict (``kind`` names the error class) as ``epoch``'s
+    failure, so every rank raises it (first failure wins). The epoch is the diagnosed
+    collective's: a diagnosis that outlives its model must not fail the next."""
+    _publish(epoch, kind, message)
+
+
+def poll_failure(client: Store | None = None) -> Failure | None:
+    """Read the current scope's failure record through the channel and adopt it (the
+    watchdog thread passes its own store client)."""
+    epoch = _STATE.epoch
+    if _STATE.failure is not None or epoch == 0:
+        return _STATE.failure
+    client = client if client is not None else _channel.store()
+    raw = _channel.read(client, _failure_key(epoch)) if client is not None else None
+    if not raw:
+        return None
+    try:
+        record = json.loads(raw)
+        found = Failure(epoch, int(record["origin"]), str(record["kind"]), str(record["message"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+    if _STATE.epoch == epoch:
+        _STATE.failure = found
+    return found
+
+
+def _raisable(failure: Failure | None) -> bool:
+    """A rank's own exception is not raised back on it; a verdict is raised everywhere."""
+    return (
+        failure is not None
+        and failure.epoch == _STATE.epoch
+        and (bool(failure.kind) or failure.origin != dist.get_rank())
+    )
+
+
+def raise_if_failed(what: str | Callable[[], str]) -> None:
+    """Raise the adopted failure, if any, at an engine call (cheap: no store access)."""
+    failure = _STATE.failure
+    if failure is not None and _raisable(failure):
+        text = what if isinstance(what, str) else what()
+        raise _failure_error(failure, f"about to issue {text}")
 
 
 @contextlib.contextmanager
@@ -258,40 +387,11 @@ _previous_hook: Callable[[type[BaseException], BaseException, TracebackType | No
 _previous_hook = sys.excepthook
 
 
-def publish_verdict(kind: str, message: str, epoch: int) -> None:
-    """Publish the watchdog's diagnosis (``kind`` names the error class) as ``epoch``'s
-    failure, so every rank waiting in the engine raises it (first failure wins). The epoch is
-    the diagnosed collective's: a diagnosis that outlives its model must not fail the next."""
-    store = _store()
-    if store is None or epoch == 0:
-        return
-    with contextlib.suppress(Exception):
-        store.compare_set(_key("failure", epoch=epoch), "", f"{_VERDICT}{kind}:{message}")
-
-
-def exit_record(rank: int) -> str | None:
-    """What ``rank`` wrote when its process ended (None: nothing, e.g. killed)."""
-    store = _store()
-    key = _key("exit", rank)
-    try:
-        return store.get(key).decode() if store is not None and store.check([key]) else None
-    except Exception:
-        return None
-
-
-def _record_exit(reason: str) -> None:
-    store = _store()
-    if store is None or _STATE.epoch == 0:
-        return
-    with contextlib.suppress(Exception):
-        store.set(_key("exit", dist.get_rank()), reason)
-
-
 def _excepthook(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> None:
     publish_failure(exc, "uncaught")
-    _record_exit(f"exited with an uncaught {exc_type.__name__}: {exc}")
+    _channel.record_exit(f"exited with an uncaught {exc_type.__name__}: {exc}")
     _previous_hook(exc_type, exc, tb)
 
 
@@ -302,21 +402,12 @@ def _install_excepthook() -> None:
         sys.excepthook = _excepthook
 
 
-atexit.register(lambda: _record_exit("exited (its Python process ended)"))
+def _at_exit() -> None:
+    if _STATE.epoch != 0:  # a process that never trained has nobody waiting for it
+        _channel.record_exit("exited (its Python process ended)")
 
 
-def _peer_failure() -> str | None:
-    store = _store()
-    if store is None:
-        return None
-    key = _key("failure")
-    try:
-        if not store.check([key]):
-            return None
-        value = store.get(key).decode()
-    except Exception:
-        return None
-    return value or None
+atexit.register(_at_exit)
 
 
 # --- waiting --------------------------------------------------------------------------------
@@ -336,20 +427,16 @@ def _timed_wait(work: dist.Work) -> bool:
             return True
         if "timed out" not in text:
             raise
-    if _completed(work):
-        # It finished meanwhile, or failed on its own: gloo's own collective timeout (the
-        # process group's) also says "timed out", and then the Work is complete. Waiting
-        # again returns at once, or raises the collective's error for the seam to explain.
+    try:
+        failed = bool(work.is_completed())
+    except Exception:  # not implemented (gloo's reduce-scatter): see _wait_on_thread
+        failed = False
+    if failed:
+        # gloo's own collective timeout (the process group's) also says "timed out", and then
+        # the Work is complete: waiting again raises its error for the seam to explain.
         work.wait()
         return True
     return False
-
-
-def _completed(work: dist.Work) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # not implemented (gloo's reduce-scatter): handled by _wait_on_thread
-        return False
 
 
 def _wait_on_thread(work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
@@ -398,7 +485,11 @@ def wait(
     """
     if work is None:
         return
-    if (device is not None and device.type != "cpu") or _STATE.epoch == 0 or _store() is None:
+    if (
+        (device is not None and device.type != "cpu")
+        or _STATE.epoch == 0
+        or _channel.store() is None
+    ):
         work.wait()
         return
     if ignores_timeout:
@@ -416,13 +507,17 @@ def wait(
         def finished() -> bool:
             return _timed_wait(work)
 
-    while not finished():
-        failure = _peer_failure()
-        if failure is not None:
-            raise _failure_error(failure, what if isinstance(what, str) else what())
+    try:
+        while not finished():
+            failure = poll_failure()
+            if _raisable(failure):
+                assert failure is not None
+                text = what if isinstance(what, str) else what()
+                raise _failure_error(failure, f"waiting in {text}")
+    finally:
+        touch()
 
 
-_VERDICT = "verdict:"
 _VERDICT_TYPES: dict[str, type[Exception]] = {}
 
 
@@ -431,15 +526,14 @@ def verdict_error(kind: str, message: str) -> Exception:
     return _VERDICT_TYPES.get(kind, PeerFailureError)(message)
 
 
-def _failure_error(failure: str, what: str) -> Exception:
+def _failure_error(failure: Failure, what: str) -> Exception:
     """The exception for a published failure: a watchdog verdict keeps its own type."""
-    here = f"this rank ({dist.get_rank()}) was waiting in {what}"
-    if failure.startswith(_VERDICT):
-        kind, _, message = failure[len(_VERDICT) :].partition(":")
-        return verdict_error(kind, f"{message} [{here}]")
+    here = f"this rank ({dist.get_rank()}) was {what}"
+    if failure.kind:
+        return verdict_error(failure.kind, f"{failure.message} [{here}]")
     return PeerFailureError(
-        f"{failure}; {here}. The process group cannot be reused after a collective was "
-        "abandoned: destroy it (torch.distributed.destroy_process_group()) and restart"
+        f"{failure.message}; {here}. The process group cannot be reused after a collective "
+        "was abandoned: destroy it (torch.distributed.destroy_process_group()) and restart"
     )
 
 
@@ -478,30 +572,27 @@ def check_collective(
     dtype: torch.dtype,
     device: torch.device | None,
     seq: int,
+    watch: Callable[[dist.Work], None] | None = None,
 ) -> None:
     """Refuse (on every rank of ``group``) a collective that peers would not issue identically.
 
-    The signatures travel on ``device`` (the collective's own, so NCCL groups work); off CPU
-    they are waited without a timeout (see ``wait``), so a missing peer is found by the stall
-    diagnosis there, not by this check.
+    The signatures travel on ``device`` (the collective's own, so NCCL groups work). The
+    signature all-gather is handed to ``watch`` (the seam registers it with the watchdog), so
+    a peer that never arrives is judged like one missing from any collective; on CPU the wait
+    polls the failure channel (see ``wait``).
     """
     gid = _hash(name)
     _STATE.names[gid] = name
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     sig = [_STATE.step, seq, gid, COLLECTIVE_KINDS.index(kind), numel, dtype_code]
     mine = _describe(sig)
-    store = _store()
-    if store is not None:
-        with contextlib.suppress(Exception):
-            store.set(_key("position", dist.get_rank()), mine)
     world = group.size()
     local = torch.tensor(sig, dtype=torch.int64, device=device)
     gathered = torch.empty(world * _SIG_LEN, dtype=torch.int64, device=device)
     work = dist.all_gather_single(gathered, local, group=group, async_op=True)
-    if device is not None and device.type != "cpu":
-        work.wait()
-    else:
-        _wait_or_name_missing(work, group, mine)
+    if watch is not None:
+        watch(work)
+    wait(work, f"the collective check before the {mine}", device)
     rows = gathered.view(world, _SIG_LEN).tolist()
     ranks = dist.get_process_group_ranks(group)
     differ = [(r, row) for r, row in zip(ranks, rows, strict=True) if row != sig]
@@ -516,50 +607,11 @@ def check_collective(
         )
 
 
-def _wait_or_name_missing(work: dist.Work, group: dist.ProcessGroup, mine: str) -> None:
-    start = time.monotonic()
-    while not _timed_wait(work):
-        failure = _peer_failure()
-        if failure is not None:
-            raise _failure_error(failure, f"the collective check before the {mine}")
-        if time.monotonic() - start < _STATE.stall_timeout:
-            continue
-        missing = _missing_peers(group, mine)
-        if missing:
-            raise CollectiveMismatchError(
-                f"collective check: rank {dist.get_rank()} waited {_STATE.stall_timeout:.0f} s "
-                f"for its peers before the {mine}; "
-                + "; ".join(missing)
-                + ". A rank left the step early or skipped this group; make every rank run the "
-                "same modules (or raise set_collective_checks(stall_timeout=...) for slow steps)"
-            )
-
-
-def _missing_peers(group: dist.ProcessGroup, mine: str) -> list[str]:
-    store = _store()
-    if store is None:
-        return []
-    out: list[str] = []
-    for rank in dist.get_process_group_ranks(group):
-        if rank == dist.get_rank():
-            continue
-        key = _key("position", rank)
-        try:
-            seen = store.get(key).decode() if store.check([key]) else None
-        except Exception:
-            seen = None
-        if seen != mine:
-            out.append(
-                f"rank {rank} did not join (last seen before the "
-                f"{seen if seen is not None else 'start of this model'})"
-            )
-    return out
-
-
 _VERDICT_TYPES.update(
     {
         "CollectiveMismatchError": CollectiveMismatchError,
         "PeerExitedError": PeerExitedError,
         "PeerIdleError": PeerIdleError,
+        "PeerFailureError": PeerFailureError,
     }
 )

@@ -19,7 +19,9 @@ Design note: the collective seam
     own references (see Design note: stream ordering); only ``unshard(async_op=True)`` keeps
     a ``Work`` for later, waited without a timeout (stream-ordered on NCCL). The watchdog
     (``_watchdog``) polls each ``Work``, or the event after a stream-ordered collective, for
-    completion to diagnose stalls. The c10d calls themselves come
+    completion to diagnose stalls; on stream-ordered devices a wait here never marks a
+    collective done (see Design note: the watchdog). Before issuing, the seam raises a
+    failure or verdict this rank adopted (``_fault.raise_if_failed``). The c10d calls themselves come
     from the ``COLLECTIVES`` extension point (c10d by default, shipped by this package).
 """
 
@@ -322,6 +324,8 @@ class InFlight:
             record = self.record
             if record is not None and record.wait_ns is None:
                 record.wait_ns = _trace.now()
+            if self.tracked is not None and self.finished_on_host:
+                self.tracked.host_waits()  # the watchdog times a CPU stall from here
             with streams.use(stream):  # NCCL orders an untimed wait on the current stream
                 try:
                     _fault.wait(
@@ -337,9 +341,11 @@ class InFlight:
                     raise named from error
         if self.record is not None:
             self.record.complete_ns = _trace.now()
-        if self.tracked is not None:
-            # Waited: done, whatever is_completed() says (gloo's reduce-scatter finishes its
-            # copy inside wait() and its Work never reports completion).
+        if self.tracked is not None and not streams.stream_ordered:
+            # Waited on the host: done, whatever is_completed() says (gloo's reduce-scatter
+            # finishes its copy inside wait() and its Work never reports completion). On
+            # stream-ordered devices the wait only ordered streams: the watchdog keeps
+            # polling the device-side completion (see Design note: the watchdog).
             self.tracked.finish()
         self.work = None  # a finished Work only keeps its tensors alive
 
@@ -376,11 +382,32 @@ def issue(
     then polls the event recorded after it. ``host_wait`` keeps a ``Work`` for a later wait
     there too (torch's ``unshard(async_op=True)``); on CPU the ``Work`` is always kept.
     """
+    _fault.raise_if_failed(what)  # a published failure or verdict: see _fault
     step, seq = _fault.next_collective()
     if _fault.checks_enabled():
-        _fault.check_collective(
-            group, kind, name, tensor.numel(), tensor.dtype, tensor.device, seq=seq
-        )
+        checks: list[_watchdog.Tracked] = []
+
+        def watch_check(work: dist.Work) -> None:
+            entry = _watchdog.Tracked(
+                step, seq, kind, name, group, tensor.device.type, work, check=True
+            )
+            entry.host_waits()  # the check is waited at once, on the host
+            _watchdog.track(entry)
+            checks.append(entry)
+
+        try:
+            _fault.check_collective(
+                group, kind, name, tensor.numel(), tensor.dtype, tensor.device, seq, watch_check
+            )
+        except (_fault.PeerFailureError, _fault.CollectiveMismatchError):
+            raise
+        except RuntimeError as error:  # the backend gave up under the check: name the rank
+            named = _watchdog.explain(checks[0]) if checks else None
+            if named is None:
+                raise
+            raise named from error
+        for entry in checks:
+            entry.finish()  # its result was read on the host
     record = None
     if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
         key = trace_key if isinstance(trace_key, str) else trace_key()
@@ -394,7 +421,16 @@ def issue(
     tracked = None
     polled = work if work is not None else _EventCompletion(event) if event is not None else None
     if polled is not None:
-        tracked = _watchdog.Tracked(step, seq, kind, name, group, tensor.device.type, polled)
+        tracked = _watchdog.Tracked(
+            step,
+            seq,
+            kind,
+            name,
+            group,
+            tensor.device.type,
+            polled,
+            device_side=streams.stream_ordered,
+        )
         _watchdog.track(tracked)
     return InFlight(
         what,

@@ -392,6 +392,7 @@ class FSDPState:
             self._comm_ctx.wait_for_previous_all_gather()  # the forward's last copy-out
             self._comm_ctx.end_forward()
             self._state_ctx.iter_forward_root = None
+            _fault.enter_phase(_fault.Phase.AFTER_FORWARD)  # the watchdog's position
         return self._cast_output(output)
 
     def _complete_unfinished_states(self, output: Any) -> None:
@@ -440,6 +441,7 @@ class FSDPState:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
             return _trace.ACTIVE.time_hook("pre_backward", self, self._pre_backward, grad)
         self._training_state = TrainingState.PRE_BACKWARD
+        _fault.enter_phase(_fault.Phase.BACKWARD)  # the watchdog's position
         self._queue_final_callback()
         default_prefetch = not self._states_to_backward_prefetch
         for group in self._fsdp_param_groups:
@@ -495,6 +497,7 @@ class FSDPState:
                     for group in state._fsdp_param_groups:
                         group.finalize_backward()
                 self._comm_ctx.post_forward_order.clear()
+            _fault.enter_phase(_fault.Phase.AFTER_BACKWARD)  # the watchdog's position
         finally:
             ctx.post_backward_final_callback_queued = False
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardweave.fsdp import _fault, _fsdp_init
+from shardweave.fsdp import _fault, _fsdp_init, _watchdog
 from shardweave.fsdp._fsdp_api import (
     AllGather,
     CPUOffloadPolicy,
@@ -813,14 +813,28 @@ class FSDPModule:
         sequence number, group, kind, size, dtype) so that a rank that skipped a module,
         reached another step or computed another shape raises
         :class:`CollectiveMismatchError` on every rank, naming the rank, the group and the
-        step, instead of hanging or aborting inside the backend. A rank that waits
-        ``stall_timeout`` seconds (default 5) for a peer that never arrives names it. Costs
-        one tiny collective per collective; process-wide (also ``SHARDWEAVE_CHECK_COLLECTIVES=1``).
-        Failures of peers that raise are reported whether or not checks are on.
+        step, instead of hanging or aborting inside the backend. A peer that never arrives is
+        judged by the watchdog like one missing from any collective (see
+        :func:`set_stall_timeout`). Costs one tiny collective per collective; process-wide
+        (also ``SHARDWEAVE_CHECK_COLLECTIVES=1``). Failures of peers that raise are reported
+        whether or not checks are on.
+
+        ``stall_timeout`` is deprecated: it sets the one stall threshold,
+        :func:`set_stall_timeout`, for the watchdog too (it was a second, check-only
+        threshold).
         """
         if not isinstance(enable, bool):
             raise TypeError(f"set_collective_checks(enable=...) expects a bool, got {enable!r}")
-        _fault.set_checks(enable, stall_timeout)
+        if stall_timeout is not None:
+            warnings.warn(
+                "set_collective_checks(stall_timeout=...) is deprecated: there is one stall "
+                "threshold now; call shardweave.fsdp.set_stall_timeout(seconds) instead (this "
+                "call set it)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            _watchdog.set_stall_timeout(stall_timeout)
+        _fault.set_checks(enable)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         for group in self._groups(recurse=True):

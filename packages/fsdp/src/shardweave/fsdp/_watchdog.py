@@ -1,73 +1,84 @@
-"""The watchdog: one thread per process that notices a stalled collective and asks every rank
-where it is, so a job that would hang says which rank and which module instead.
+"""The watchdog: one thread per process that tells a fault from a pause.
 
-Design note: stall diagnosis
-    The collective seam registers every collective it issues (``track``): a process-wide
-    sequence number within the step, its kind, the group (module) that issued it, the step,
-    and its ``Work``. The watchdog thread polls ``Work.is_completed()`` every ``POLL_S``; it
-    never waits on a ``Work`` and never blocks the training thread.
+Design note: the watchdog
+    The collective seam registers every collective it issues (``track``): its step and
+    sequence number within the step, its kind, the group (module) that issued it, and what
+    tells its completion (the ``Work``, or on stream-ordered devices the event recorded after
+    it). The watchdog thread never waits on either and never blocks the training thread.
 
-    When the oldest collective has been pending for the stall threshold (``set_stall_timeout``,
-    ``SHARDWEAVE_STALL_TIMEOUT``, default 10 s: well under NCCL's 10 minutes and gloo's 30 s),
-    the watchdog starts a diagnosis: it bumps a generation counter in the c10d store. Every
-    rank's watchdog looks at that counter on each poll and answers with its position: the
-    last collective it issued, whether it is still pending, and the step. The stalled rank
-    then judges each rank of the stalled collective's group:
+    Completion, not issue. On CPU the host waits for each collective, so the entry the
+    training thread is blocked on is the one that can stall, and its stall is timed from the
+    start of that wait (gloo's reduce-scatter reports completion only when waited). On
+    accelerators the host runs ahead: an entry is done when its event (or ``Work``) reports
+    the device finished it, polled from this thread, and its stall is timed from its issue. A
+    host wait there only orders streams, so it never marks an entry done.
 
-    - at the same collective, still pending: merely slow. Logged once, and the wait goes on.
-    - ahead (a later collective or step) without having issued the stalled collective, or at
-      another collective with the same number: ``CollectiveMismatchError``. It skipped a
-      module. (Ahead after issuing it is no fault of its own: gloo completes a reduce-scatter
-      on some ranks before others.)
-    - behind (an earlier collective or step), having issued no collective for the threshold:
-      idle outside the engine. That is ordinary (rank 0 writing a checkpoint or evaluating,
-      host work between backward and the optimizer step, a slow data loader or first
-      compile), so it is a warning on every waiting rank, naming the idle rank and where it
-      last was, repeated with doubling gaps; only once the peer has been idle for the idle
-      timeout (``set_idle_timeout``, ``SHARDWEAVE_IDLE_TIMEOUT``, default: the process group's
-      own timeout, which torch's users already set) is it ``PeerIdleError``: it left the
-      training loop, or waits on something that never comes.
-    - no answer within ``ANSWER_S``: ``PeerExitedError``. Its process exited (an exit record
-      says why when it could write one) or hangs outside Python. A paused rank still
-      answers: its watchdog thread runs while its training thread sleeps or computes.
+    Liveness and position. Every heartbeat period (a fifth of the stall threshold, 0.1-1 s)
+    the thread publishes this rank's heartbeat through the cross-rank channel (``_channel``)
+    with its position: the step and phase (in the forward, between forward and backward, in
+    the backward, between steps), the last collective it issued, the collectives not yet
+    complete, and how long the engine has been idle. The same beat reads the failure channel,
+    so every rank adopts a published failure within a heartbeat on every backend (see Design
+    note: the failure channel, ``_fault``).
 
-    An error is published once through the failure channel (``_fault``), so every rank still
-    waiting in the engine raises the same text. On CPU the training thread's 0.5 s wait poll
-    picks it up. On accelerators the watchdog also aborts the stalled collective's process
-    group, so the blocked work returns and the training thread raises at its next sync point.
-    After such an error the process group cannot be used again: destroy it and exit (or build
-    a new group).
+    Diagnosis. Once a collective has stalled for the stall threshold (``set_stall_timeout``,
+    ``SHARDWEAVE_STALL_TIMEOUT``, default 10 s) the thread judges each peer of its group from
+    the peer's last heartbeat (watched since the stall began):
 
-    Cost while healthy: one store read per rank every ``STORE_POLL_S`` (the generation
-    counter), one deque append per collective, and a ``Work.is_completed()`` per pending
-    collective every ``POLL_S``. Measured on the benchmark GPT (gloo, world 2): 1.00-1.01 x
-    the step time with the watchdog off (``benchmarks/watchdog_overhead.py``).
+    - *exited*: it wrote an exit record, or its heartbeat stood still for the stall threshold
+      (at least 2 s): ``PeerExitedError``;
+    - *at another collective*: the peer's collective with the same number is another one, or
+      the peer already finished (or skipped) it, or it finished this step's backward with
+      fewer collectives: ``CollectiveMismatchError``;
+    - *raised*: it published an exception (every rank raises ``PeerFailureError`` at once), or
+      its backward stopped half-way with no thread left in autograd (an exception escaped
+      ``backward()``): ``PeerFailureError``;
+    - *at the same collective*, or itself waiting in the engine: slow, logged once;
+    - *alive and idle* (behind, no collective pending, heartbeat moving): a pause. A warning on
+      every waiting rank names it and where it is, repeated at doubling intervals; the error,
+      ``PeerIdleError``, comes only when the wait reaches the idle timeout
+      (``set_idle_timeout``, ``SHARDWEAVE_IDLE_TIMEOUT``, default the process group's own
+      timeout), or at once if that peer exits meanwhile.
+
+    A verdict is published once through the failure channel; every rank raises it at its next
+    engine call or wait, and logs it at once at ERROR level. On CPU the training thread's
+    0.5 s wait poll raises it. On accelerators a collective blocked on the device holds the
+    host only where the host synchronizes; the watchdog aborts the stalled process group
+    (``ProcessGroup.abort()`` on that group alone, so no other group and no torch bookkeeping
+    is torn down under the training thread) only where torch documents a user abort:
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``. Under torch's default (3) it leaves the group to
+    torch: the training thread raises the verdict at its next engine call, or, if it is stuck
+    in a device synchronization behind the dead collective, torch's NCCL watchdog ends the
+    process at the process group's timeout, with the verdict already in every rank's log.
+
+    Cost while healthy: one small store write (the heartbeat) and one read (the failure
+    record) per heartbeat period, a deque append per collective, and an ``is_completed()`` or
+    event query per collective in flight per poll. A stalled rank reads its group's heartbeat
+    records once per heartbeat period. Measured in the migration guide.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _fault
+from shardweave.fsdp import _channel, _fault
 
 __all__ = [
     "IDLE_ENV",
     "STALL_ENV",
     "Tracked",
+    "explain",
     "new_epoch",
-    "process_group_timeout",
     "set_idle_timeout",
     "set_stall_timeout",
     "track",
@@ -75,52 +86,17 @@ __all__ = [
 
 logger = logging.getLogger("shardweave.fsdp")
 
-STALL_ENV = "SHARDWEAVE_STALL_TIMEOUT"
-IDLE_ENV = "SHARDWEAVE_IDLE_TIMEOUT"
-DEFAULT_STALL_S = 10.0
-POLL_S = 0.5  # completion checks: local, cheap
-# Reading the store for peers' diagnosis requests is not cheap (a FileStore replays its log):
-# every 2 s cost nothing measurable where every 0.5 s cost 1.7% of the benchmark GPT's step.
-STORE_POLL_S = 2.0
-ANSWER_S = 3.0  # how long a diagnosis waits for the peers' answers (> STORE_POLL_S)
-
-
-def _env_stall_timeout() -> float | None:
-    raw = os.environ.get(STALL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_STALL_S
-    if raw.lower() in ("0", "off", "none"):
-        return None
-    value = float(raw)
-    if value <= 0:
-        raise ValueError(f"{STALL_ENV} must be positive seconds or 'off', got {raw!r}")
-    return value
-
-
-def _env_idle_timeout() -> float | None:
-    """The idle timeout from the environment; None: the process group's own timeout."""
-    raw = os.environ.get(IDLE_ENV, "").strip()
-    if not raw:
-        return None
-    value = float(raw)
-    if value <= 0:
-        raise ValueError(f"{IDLE_ENV} must be positive seconds, got {raw!r}")
-    return value
-
-
-def process_group_timeout(pg: dist.ProcessGroup, device_type: str) -> float:
-    """Seconds: the timeout ``pg``'s backend for ``device_type`` was created with (the
-    ``timeout`` of ``init_process_group`` / ``new_group``), else c10d's default."""
-    try:
-        backend = pg._get_backend(torch.device(device_type))
-        return float(backend.options._timeout.total_seconds())
-    except Exception:  # a backend without options (a test or fake group)
-        return float(dist.default_pg_timeout.total_seconds())
+STALL_ENV: Final = _channel.STALL_ENV
+IDLE_ENV: Final = _channel.IDLE_ENV
+DEFAULT_STALL_S: Final = _channel.DEFAULT_STALL_S
+POLL_S: Final = 0.5  # completion checks: local, cheap
+MAX_PENDING: Final = 16  # collectives in flight named in a heartbeat (oldest first)
+_NCCL_ERROR_HANDLING: Final = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 @dataclass
 class Tracked:
-    """One collective the seam issued (see Design note: stall diagnosis)."""
+    """One collective the seam issued (see Design note: the watchdog)."""
 
     step: int
     seq: int
@@ -128,17 +104,19 @@ class Tracked:
     group: str  # the issuing group's module FQN
     pg: dist.ProcessGroup
     device_type: str
-    work: Any  # dist.Work; polled with is_completed(), never waited here
-    epoch: int = field(default_factory=lambda: _fault._STATE.epoch)  # the failure scope
+    work: Any  # dist.Work or an event wrapper; polled with is_completed(), never waited here
+    device_side: bool = False  # completion is the device's (stream-ordered devices)
+    check: bool = False  # the collective check's signature all-gather before this collective
+    epoch: int = field(default_factory=_fault.current_epoch)  # the failure scope
+    phase: _fault.Phase = field(default_factory=_fault.current_phase)  # at its issue
     issued: float = field(default_factory=time.monotonic)
     finished: bool = False
+    waiting_since: float | None = None  # when the host began to block on it (CPU)
+    next_warning: float = 0.0  # stall age of the next idle warning (0: the stall threshold)
     reported_slow: bool = False
-    diagnosed_at: float | None = None  # when the last diagnosis of this collective ran
-    next_idle_warning: float = 0.0  # when an idle peer may be warned about again
-    idle_warning_gap: float = 0.0  # doubles after each warning
 
     def pending(self) -> bool:
-        """Not yet waited on by the engine, nor reported complete by its backend."""
+        """Not yet complete: not waited on the host (CPU), nor reported complete."""
         if self.finished:
             return False
         try:
@@ -154,63 +132,150 @@ class Tracked:
         self.finished = True
         self.work = None
 
-    def position(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "seq": self.seq,
-            "kind": self.kind,
-            "group": self.group,
-            "pending": self.pending(),
-            "idle_s": time.monotonic() - self.issued,  # since the rank's last engine collective
-        }
+    def host_waits(self) -> None:
+        """The training thread blocks on it now (CPU): its stall is timed from here."""
+        self.waiting_since = time.monotonic()
+
+    def stalled_since(self) -> float | None:
+        """When its stall began: the host's wait on CPU, the issue on devices."""
+        return self.issued if self.device_side else self.waiting_since
+
+    def brief(self) -> list[Any]:
+        return [self.step, self.seq, self.kind, self.group, self.check]
+
+    def describe(self) -> str:
+        what = f"the {self.kind} of group '{self.group}' (step {self.step}, collective #{self.seq})"
+        return f"the collective check before {what}" if self.check else what
+
+
+# --- positions: what a rank publishes and how a peer reads it --------------------------------
+_KIND_WORDS: Final = {
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+}
+
+
+def _brief_text(brief: list[Any]) -> str:
+    step, seq, kind, group, check = brief
+    what = f"{_KIND_WORDS.get(kind, kind)} of group '{group}' (step {step}, #{seq})"
+    return f"collective check before the {what}" if check else what
 
 
 def describe(pos: dict[str, Any]) -> str:
-    if pos.get("seq", 0) == 0:
-        return f"step {pos.get('step', 0)}, no collective issued yet"
-    state = "waiting in" if pos.get("pending") else "past (completed)"
-    return (
-        f"{state} the {pos['kind']} of group '{pos['group']}' (step {pos['step']}, "
-        f"collective #{pos['seq']})"
-    )
+    """Where a rank is, in words: "between steps, after step 2's last reduce-scatter"."""
+    step = int(pos.get("step", 0))
+    try:
+        phase = _fault.Phase[str(pos.get("phase", "INIT"))]
+    except KeyError:
+        phase = _fault.Phase.INIT
+    last = pos.get("last")
+    in_step = last is not None and int(last[0]) == step
+    waiting = pos.get("waiting")
+    if waiting is not None:
+        where = f"waiting in the {_brief_text(waiting)}"
+    elif phase is _fault.Phase.INIT:
+        where = "before its first step"
+    elif phase is _fault.Phase.AFTER_BACKWARD:
+        where = f"between steps, after step {step}'s " + (
+            f"last {_KIND_WORDS.get(last[2], last[2])} (group '{last[3]}', #{last[1]})"
+            if in_step and last is not None
+            else "backward"
+        )
+    else:
+        where = f"{phase.value} of step {step}, " + (
+            f"after its {_brief_text(last)}"
+            if in_step and last is not None
+            else "before its first collective"
+        )
+    if pos.get("abandoned"):
+        where += " (its backward stopped there: no thread is in autograd any more)"
+    idle = float(pos.get("idle_s", 0.0))
+    return f"{where}; engine idle for {idle:.0f} s" if idle >= 1 else where
+
+
+def _backward_running() -> bool:
+    """Some thread is inside autograd's engine (``torch.autograd.backward`` / ``grad``)."""
+    for frame in sys._current_frames().values():
+        f: Any = frame
+        while f is not None:
+            if f.f_code.co_name == "_engine_run_backward":
+                return True
+            f = f.f_back
+    return False
+
+
+@dataclass
+class _Judgement:
+    """One diagnosis of a stalled collective."""
+
+    exited: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    raised: list[str] = field(default_factory=list)
+    idle: list[str] = field(default_factory=list)
+    busy: list[str] = field(default_factory=list)  # at the collective, or waiting elsewhere
+
+    def verdict(self, where: str) -> tuple[str, str] | None:
+        """(error class name, message) for a fault; None for a pause or a slow collective."""
+        if self.exited:
+            return (
+                "PeerExitedError",
+                f"stall diagnosis: {where}, but " + "; ".join(self.exited) + ". The job cannot "
+                "continue without it: destroy the process group and restart",
+            )
+        if self.mismatched:
+            return (
+                "CollectiveMismatchError",
+                f"stall diagnosis: {where}, but "
+                + "; ".join(self.mismatched + self.raised)
+                + ". A rank skipped a module or ran another number of collectives; make every "
+                "rank run the same modules in the same order (for modules some ranks skip, call "
+                "them with empty inputs)",
+            )
+        if self.raised:
+            return (
+                "PeerFailureError",
+                f"stall diagnosis: {where}, but " + "; ".join(self.raised) + ". Wrap the step "
+                "in failure_guard() to publish such errors at once; destroy the process group "
+                "and restart",
+            )
+        return None
 
 
 class Watchdog:
     def __init__(self) -> None:
-        self.stall_timeout = _env_stall_timeout()
-        self.idle_timeout = _env_idle_timeout()  # None: the process group's timeout
         self._lock = threading.Lock()
         self._tracked: deque[Tracked] = deque()
         self._last: Tracked | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._answered = 0  # the last diagnosis generation this rank answered
-        self._next_store_poll = 0.0
         self._epoch = 0
         self._failed_epoch = 0  # a verdict is final: no more diagnoses in that epoch
-        # The last collectives this rank issued, answered with its position: a peer ahead of
-        # a stalled collective that issued it too got past it (gloo completes a reduce-scatter
-        # on some ranks before others) and skipped nothing.
-        self._issued: deque[list[Any]] = deque(maxlen=32)
+        self._peers = _channel.Peers()  # the thread's view of a stalled group's heartbeats
+        self._watching: Tracked | None = None  # the stalled entry whose peers it watches
+        self._next_beat = 0.0
+        self._next_observe = 0.0
+        self._adopted: _fault.Failure | None = None
+        self._backward_left: tuple[int, int] | None = None  # (epoch, step) seen once
 
     # --- the training thread's side ---------------------------------------------------------
     def new_epoch(self, epoch: int) -> None:
         with self._lock:
             self._tracked.clear()
             self._last = None
-            self._issued.clear()
-            self._answered = 0
             self._epoch = epoch
-        if epoch != 0 and self.stall_timeout is not None:
+            self._watching = None
+            self._backward_left = None
+        self._next_beat = 0.0
+        if epoch != 0 and _channel.TIMEOUTS.stall is not None:
             self._ensure_started()
 
     def track(self, entry: Tracked) -> None:
         with self._lock:
-            self._last = entry  # this rank's position, answered even with diagnosis off
-            self._issued.append([entry.step, entry.seq, entry.kind, entry.group])
-            if self.stall_timeout is not None:  # else no thread pops: keep nothing
-                # Drop what the engine already waited on, so the deque never outgrows the
-                # collectives actually in flight.
+            self._last = entry  # this rank's position, published with its heartbeat
+            if _channel.TIMEOUTS.stall is not None:  # else no thread pops: keep nothing
+                # Drop what is already complete, so the deque never outgrows the collectives
+                # actually in flight.
                 while self._tracked and self._tracked[0].finished:
                     self._tracked.popleft()
                 self._tracked.append(entry)
@@ -223,6 +288,9 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="shardweave-watchdog", daemon=True)
         self._thread.start()
 
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
         thread = self._thread
@@ -231,213 +299,298 @@ class Watchdog:
         self._thread = None
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
+        while not self._stop.wait(min(POLL_S, _channel.heartbeat_period())):
             try:
                 self._tick()
             except Exception:  # never let a store hiccup kill the watchdog
                 logger.debug("shardweave watchdog: tick failed", exc_info=True)
 
     def _tick(self) -> None:
-        store = _fault._store()
-        if store is None or self._epoch == 0 or self._epoch != _fault._STATE.epoch:
+        client = _channel.thread_store()
+        if client is None or self._epoch == 0 or self._epoch != _fault.current_epoch():
             return
-        if time.monotonic() >= self._next_store_poll:
-            self._next_store_poll = time.monotonic() + STORE_POLL_S
-            self._answer(store)
-        timeout = self.stall_timeout
-        if timeout is None:
+        now = time.monotonic()
+        if now >= self._next_beat:
+            period = _channel.heartbeat_period()
+            self._next_beat = now + period
+            _channel.publish_beat(client, self._position(period))
+            failure = _fault.poll_failure(client)
+            if failure is not None and failure is not self._adopted:
+                self._adopted = failure
+                self._on_failure(failure)
+        stall = _channel.TIMEOUTS.stall
+        if stall is None:
             return
+        entry, since = self._stalled()
+        if entry is None or since is None or entry.epoch == self._failed_epoch:
+            self._watching = None
+            self._peers.forget()
+            return
+        age = now - since
+        if age < _channel.heartbeat_period():
+            return
+        if entry is not self._watching:  # a new stall: watch its peers from now on
+            self._watching = entry
+            self._peers.forget()
+        if now < self._next_observe:
+            return
+        self._next_observe = now + _channel.heartbeat_period()
+        states = self._peers.observe(client, self._peer_ranks(entry))
+        if age >= stall:
+            self._diagnose(entry, age, states, stall)
+
+    def _stalled(self) -> tuple[Tracked | None, float | None]:
+        """The entry stalled longest (and since when), dropping completed ones."""
         with self._lock:
             while self._tracked and (
                 self._tracked[0].epoch != self._epoch or not self._tracked[0].pending()
             ):
                 self._tracked.popleft()
-            oldest = self._tracked[0] if self._tracked else None
-            if self._last is not None:
-                self._last.pending()  # lets go of its Work once complete (accelerators)
-        if oldest is None or oldest.epoch == self._failed_epoch:
-            return
-        now = time.monotonic()
-        if now - oldest.issued < timeout:
-            return
-        if oldest.diagnosed_at is not None and now - oldest.diagnosed_at < timeout:
-            return  # one diagnosis per threshold: a slow rank is asked again, not hammered
-        oldest.diagnosed_at = now
-        self._diagnose(store, oldest, now - oldest.issued)
+            best: tuple[Tracked | None, float | None] = (None, None)
+            for entry in self._tracked:
+                since = entry.stalled_since() if entry.pending() else None
+                if since is not None and (best[1] is None or since < best[1]):
+                    best = (entry, since)
+            return best
 
-    def _position(self) -> dict[str, Any]:
+    @staticmethod
+    def _peer_ranks(entry: Tracked) -> list[int]:
+        me = dist.get_rank()
+        return [r for r in dist.get_process_group_ranks(entry.pg) if r != me]
+
+    def _position(self, period: float) -> dict[str, Any]:
+        progress = _fault.progress()
         with self._lock:
             last = self._last
-        if last is None:
-            return {"step": _fault._STATE.step, "seq": 0}
-        with self._lock:
-            issued = list(self._issued)
-        return {**last.position(), "issued": issued}
-
-    def _answer(self, store: Any, generation: int | None = None) -> None:
-        """Answer every diagnosis started since the last answer: several ranks may stall at
-        once, each starting its own, and each waits for its own generation's answers."""
-        if generation is None:
-            generation = int(store.add(_fault._key("diag", "generation"), 0))
-        if generation <= self._answered:
-            return
-        position = json.dumps(self._position())
-        rank = dist.get_rank()
-        for g in range(self._answered + 1, generation + 1):
-            store.set(_fault._key("diag", g, rank), position)
-        self._answered = generation
+            pending = [e for e in self._tracked if e.epoch == progress.epoch and e.pending()]
+        waiting = [e for e in pending if e.waiting_since is not None]
+        abandoned = False
+        if progress.phase is _fault.Phase.BACKWARD and progress.idle_s >= period:
+            # Seen twice a heartbeat apart, so a backward just entering or leaving the
+            # autograd engine is never taken for one that an exception ended.
+            here = (progress.epoch, progress.step)
+            if _backward_running():
+                self._backward_left = None
+            elif self._backward_left == here:
+                abandoned = True
+            else:
+                self._backward_left = here
+        return {
+            "epoch": progress.epoch,
+            "step": progress.step,
+            "seq": progress.seq,
+            "phase": progress.phase.name,
+            "last": last.brief() if last is not None and last.epoch == progress.epoch else None,
+            "pending": [e.brief() for e in pending[:MAX_PENDING]],
+            "waiting": waiting[-1].brief() if waiting else None,
+            "idle_s": round(progress.idle_s, 1),
+            "abandoned": abandoned,
+        }
 
     # --- diagnosis -----------------------------------------------------------------------
-    def _diagnose(self, store: Any, entry: Tracked, waited: float) -> None:
-        verdict = self._judge(store, entry, waited)
+    def _judge(
+        self,
+        entry: Tracked,
+        states: dict[int, _channel.PeerState],
+        stall: float,
+        lost: float,
+    ) -> _Judgement:
+        out = _Judgement()
+        here = (entry.step, entry.seq)
+        for rank, state in sorted(states.items()):
+            pos = state.position
+            seen = describe(pos) if pos is not None else "never seen"
+            if state.exit is not None:
+                out.exited.append(f"rank {rank} {state.exit}; it was last {seen}")
+                continue
+            if state.exited(lost):
+                out.exited.append(
+                    f"rank {rank} stopped answering: its heartbeat has not moved for "
+                    f"{state.silent_s:.0f} s (its process exited, was killed, or is frozen); it "
+                    f"was last {seen}"
+                )
+                continue
+            if pos is None or int(pos.get("epoch", 0)) != entry.epoch:
+                out.idle.append(f"rank {rank} is alive but not running this model's steps")
+                continue
+            pending = {(int(b[0]), int(b[1])): b for b in pos.get("pending") or []}
+            last = pos.get("last")
+            if here in pending:
+                theirs = pending[here]
+                if (theirs[2], theirs[3]) != (entry.kind, entry.group):
+                    out.mismatched.append(f"rank {rank} is waiting in the {_brief_text(theirs)}")
+                else:
+                    out.busy.append(f"rank {rank} is at the same collective")
+                continue
+            if (
+                last is not None
+                and (int(last[0]), int(last[1])) == here
+                and (last[2], last[3]) == (entry.kind, entry.group)
+            ):
+                # Its last collective is this one, no longer pending there: it completed on
+                # its side just now, or failed there too (a backend timeout). Not a mismatch.
+                out.busy.append(f"rank {rank} is at the same collective (ended on its side)")
+                continue
+            if last is not None and (int(last[0]), int(last[1])) >= here:
+                out.mismatched.append(
+                    f"rank {rank} is already past it (its last collective is the "
+                    f"{_brief_text(last)}): it skipped this one, or its collective #{entry.seq} "
+                    "was another one"
+                )
+                continue
+            if pos.get("abandoned"):
+                out.raised.append(
+                    f"rank {rank} left the backward of step {pos.get('step')} half-way (an "
+                    "exception escaped backward(), or it was interrupted) and issues nothing"
+                )
+                continue
+            idle_s = float(pos.get("idle_s", 0.0))
+            if (
+                # This rank is still in the step's forward or backward (not, say, in an
+                # unshard() between steps, which the peer may simply not have reached yet)...
+                entry.phase in (_fault.Phase.FORWARD, _fault.Phase.BACKWARD)
+                # ...and the peer finished that step's backward with fewer collectives.
+                and pos.get("phase") == _fault.Phase.AFTER_BACKWARD.name
+                and int(pos.get("step", 0)) == entry.step
+                and idle_s >= stall
+            ):
+                out.mismatched.append(
+                    f"rank {rank} finished the backward of step {entry.step} after "
+                    f"{pos.get('seq')} collectives, where this rank is at #{entry.seq}"
+                )
+                continue
+            if pos.get("waiting") is not None or pos.get("pending"):
+                out.busy.append(f"rank {rank} is {describe(pos)}")
+                continue
+            out.idle.append(
+                f"rank {rank} is alive but has issued no collective for {idle_s:.0f} s: it is "
+                f"{describe(pos)}"
+            )
+        return out
+
+    def _where(self, entry: Tracked, waited: float, failed: bool = False) -> str:
+        state = "failed after" if failed else "has waited"
+        return f"rank {dist.get_rank()} {state} {waited:.0f} s in {entry.describe()}"
+
+    def _diagnose(
+        self, entry: Tracked, age: float, states: dict[int, _channel.PeerState], stall: float
+    ) -> None:
+        judged = self._judge(entry, states, stall, _channel.lost_after())
+        if not entry.pending() or entry.epoch != _fault.current_epoch():
+            return  # it finished (or its model was dropped) while we looked
+        where = self._where(entry, age)
+        verdict = judged.verdict(where)
         if verdict is not None:
             self._fail(entry, *verdict)
+            return
+        if judged.idle:
+            idle_timeout = _channel.TIMEOUTS.idle_for(entry.pg)
+            if age >= idle_timeout:
+                self._fail(
+                    entry,
+                    "PeerIdleError",
+                    f"idle peer: {where}, and "
+                    + "; ".join(judged.idle)
+                    + f". The idle timeout ({idle_timeout:g} s; set_idle_timeout, "
+                    f"{IDLE_ENV}, default the process group's timeout) is reached; destroy the "
+                    "process group and restart, or raise the idle timeout (and the process "
+                    "group's timeout) for longer pauses",
+                )
+            elif age >= max(entry.next_warning, stall):
+                entry.next_warning = 2 * max(entry.next_warning, stall)
+                logger.warning(
+                    "shardweave: %s for its peers; %s. Not an error yet: a pause (a checkpoint, "
+                    "an eval, data loading, a compile) ends by itself. PeerIdleError after the "
+                    "idle timeout (%g s; set_idle_timeout, %s, default the process group's "
+                    "timeout), at once if it exits. Next notice at %.0f s.",
+                    where,
+                    "; ".join(judged.idle),
+                    idle_timeout,
+                    IDLE_ENV,
+                    entry.next_warning,
+                )
+            return
+        if not entry.reported_slow:
+            entry.reported_slow = True
+            logger.warning(
+                "shardweave: %s; %s: a slow collective or a slow rank, not a hang. Still waiting.",
+                where,
+                "; ".join(judged.busy) or "every rank of its group is at it",
+            )
 
     def explain(self, entry: Tracked) -> Exception | None:
         """The training thread's collective failed in the backend (gloo's "Connection closed
-        by peer", say): ask every rank now, and name the one that is gone or elsewhere."""
-        store = _fault._store()
-        if store is None or entry.epoch == 0 or entry.epoch != _fault._STATE.epoch:
+        by peer", or its timeout): name the rank that is gone, elsewhere or idle."""
+        client = _channel.store()
+        if client is None or entry.epoch == 0 or entry.epoch != _fault.current_epoch():
             return None
-        entry.finished = False  # it did not complete: judge it as pending
-        verdict = self._judge(store, entry, time.monotonic() - entry.issued, failed=True)
         entry.finish()
+        period = _channel.heartbeat_period()
+        stall = _channel.TIMEOUTS.stall or DEFAULT_STALL_S
+        # A peer that just died still has a fresh heartbeat: watch it for a few periods.
+        lost = 3 * period
+        peers = _channel.Peers()
+        ranks = self._peer_ranks(entry)
+        deadline = time.monotonic() + lost + period
+        while True:
+            states = peers.observe(client, ranks)
+            judged = self._judge(entry, states, stall, lost)
+            settled = all(s.watched_s > 0 and s.silent_s < s.watched_s for s in states.values())
+            if judged.exited or judged.mismatched or judged.raised or settled:
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(period / 2)
+        since = entry.stalled_since() or entry.issued
+        where = self._where(entry, time.monotonic() - since, failed=True)
+        verdict = judged.verdict(where)
+        if verdict is None and judged.idle:
+            verdict = (
+                "PeerIdleError",
+                f"idle peer: {where} (the backend gave up: the process group's timeout), and "
+                + "; ".join(judged.idle)
+                + ". Destroy the process group and restart, or raise the process group's "
+                "timeout for longer pauses",
+            )
         if verdict is None:
             return None
         self._fail(entry, *verdict)
         return _fault.verdict_error(*verdict)
 
-    def _judge(
-        self, store: Any, entry: Tracked, waited: float, failed: bool = False
-    ) -> tuple[str, str] | None:
-        """(error class name, message), or None: merely slow (logged once) or finished."""
-        me = dist.get_rank()
-        generation = int(store.add(_fault._key("diag", "generation"), 1))
-        self._answer(store, generation)
-        peers = [r for r in dist.get_process_group_ranks(entry.pg) if r != me]
-        answers: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + ANSWER_S
-        while len(answers) < len(peers) and time.monotonic() < deadline:
-            for rank in peers:
-                key = _fault._key("diag", generation, rank)
-                if rank not in answers and store.check([key]):
-                    answers[rank] = json.loads(store.get(key).decode())
-            if len(answers) < len(peers):
-                # Peers that stalled at the same moment diagnose too, and wait for this
-                # rank's answer as it waits for theirs.
-                self._answer(store)
-                time.sleep(0.05)
-        if (not failed and not entry.pending()) or entry.epoch != _fault._STATE.epoch:
-            return None  # it finished (or its model was dropped) while we asked
-        exited: list[str] = []
-        mismatched: list[str] = []
-        idle: list[tuple[float, str]] = []  # (idle seconds, description) per idle peer
-        threshold = self.stall_timeout or DEFAULT_STALL_S
-        for rank in peers:
-            pos = answers.get(rank)
-            if pos is None:
-                record = _fault.exit_record(rank)
-                exited.append(
-                    f"rank {rank} {record}"
-                    if record
-                    else f"rank {rank} did not answer within {ANSWER_S:.0f} s (its process "
-                    "exited, or hangs outside Python)"
-                )
-                continue
-            here = (pos.get("step", 0), pos.get("seq", 0))
-            if here == (entry.step, entry.seq):
-                if (pos.get("kind"), pos.get("group")) != (entry.kind, entry.group):
-                    mismatched.append(f"rank {rank} is {describe(pos)}")
-                continue  # the same collective: slow at worst
-            if here > (entry.step, entry.seq):
-                stalled = [entry.step, entry.seq, entry.kind, entry.group]
-                if stalled not in pos.get("issued", []):  # it skipped what this rank waits in
-                    mismatched.append(f"rank {rank} is already {describe(pos)}")
-                continue  # it issued this collective too and got past it
-            # Behind: computing, or paused outside the engine; idle once it has issued no
-            # collective for the threshold (see Design note: stall diagnosis).
-            idle_s = float(pos.get("idle_s", 0.0))
-            if not pos.get("pending") and idle_s >= threshold:
-                idle.append(
-                    (
-                        idle_s,
-                        f"rank {rank} has issued no collective for {idle_s:.0f} s and is "
-                        f"{describe(pos)}",
-                    )
-                )
-        state = "failed after" if failed else "has waited"
-        where = (
-            f"rank {me} {state} {waited:.0f} s in the {entry.kind} of group "
-            f"'{entry.group}' (step {entry.step}, collective #{entry.seq})"
-        )
-        if exited:
-            return (
-                "PeerExitedError",
-                f"stall diagnosis: {where}, but " + "; ".join(exited) + ". The job cannot "
-                "continue without it: destroy the process group and restart",
-            )
-        if mismatched:
-            return (
-                "CollectiveMismatchError",
-                f"stall diagnosis: {where}, but " + "; ".join(mismatched) + ". A rank "
-                "skipped a module or left the step; make every rank run the same modules in "
-                "the same order (for modules some ranks skip, call them with empty inputs)",
-            )
-        if idle:
-            return self._judge_idle(entry, where, idle, failed)
-        if not entry.reported_slow and not failed:
-            entry.reported_slow = True
-            logger.warning(
-                "shardweave: %s; every rank of its group is at the same collective (or on the "
-                "way to it): a slow rank, not a hang. Still waiting.",
-                where,
-            )
-        return None
-
-    def idle_limit(self, entry: Tracked) -> float:
-        """Seconds a peer may stay idle before it is an error (see ``set_idle_timeout``)."""
-        if self.idle_timeout is not None:
-            return self.idle_timeout
-        return process_group_timeout(entry.pg, entry.device_type)
-
-    def _judge_idle(
-        self, entry: Tracked, where: str, idle: list[tuple[float, str]], failed: bool
-    ) -> tuple[str, str] | None:
-        """Idle peers: an error once one has been idle for the idle timeout (or this rank's
-        collective already failed), else a warning, repeated with doubling gaps."""
-        limit = self.idle_limit(entry)
-        text = "; ".join(d for _, d in idle)
-        if failed or max(s for s, _ in idle) >= limit:
-            return (
-                "PeerIdleError",
-                f"stall diagnosis: {where}, but {text}, past the idle timeout of {limit:.0f} s "
-                "(set_idle_timeout, SHARDWEAVE_IDLE_TIMEOUT; default the process group's "
-                "timeout). It left the training loop or waits on something that never comes; "
-                "the job cannot continue: destroy the process group and restart",
-            )
-        now = time.monotonic()
-        if now >= entry.next_idle_warning:
-            gap = entry.idle_warning_gap or (self.stall_timeout or DEFAULT_STALL_S)
-            entry.idle_warning_gap = 2 * gap
-            entry.next_idle_warning = now + gap
-            logger.warning(
-                "shardweave: %s; %s: paused outside the engine (a checkpoint, an evaluation, "
-                "a slow data loader or compile?). Not an error until it has been idle for "
-                "%.0f s (set_idle_timeout). Still waiting.",
-                where,
-                text,
-                limit,
-            )
-        return None
-
     def _fail(self, entry: Tracked, kind: str, message: str) -> None:
         self._failed_epoch = entry.epoch
         _fault.publish_verdict(kind, message, entry.epoch)
-        if entry.device_type != "cpu":
-            # Accelerators: the training thread is not polling; abort the group so its
-            # blocked work returns with an error and the next sync raises the verdict.
-            with contextlib.suppress(Exception):
-                dist.distributed_c10d._abort_process_group(entry.pg)
+
+    def _on_failure(self, failure: _fault.Failure) -> None:
+        """A failure was adopted: say so at once on every rank (the training thread may be
+        blocked where it cannot raise yet), and abort where torch supports it."""
+        if failure.kind or failure.origin != dist.get_rank():
+            logger.error(
+                "shardweave: %s (this rank raises it at its next engine call or wait)",
+                failure.message,
+            )
+        self._failed_epoch = failure.epoch
+        with self._lock:
+            stalled = [e for e in self._tracked if e.device_side and not e.finished]
+        for pg in {id(e.pg): e.pg for e in stalled if e.device_type != "cpu"}.values():
+            abort_if_supported(pg)
+
+
+def abort_if_supported(pg: dist.ProcessGroup) -> bool:
+    """Abort ``pg``'s communicators where torch documents a user abort: an NCCL group with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (torch's ``_abort_process_group`` notes this mode).
+    Only this group: not the default group's world-wide teardown, and no change to torch's
+    bookkeeping under the training thread. Returns whether it aborted."""
+    if os.environ.get(_NCCL_ERROR_HANDLING, "").strip() != "0":
+        return False
+    try:
+        if pg._get_backend_name() != "nccl":
+            return False
+        pg.abort()
+    except Exception:  # already torn down: nothing left to abort
+        logger.debug("shardweave watchdog: abort failed", exc_info=True)
+        return False
+    return True
 
 
 WATCHDOG = Watchdog()
@@ -456,55 +609,51 @@ def explain(entry: Tracked) -> Exception | None:
 
 def new_epoch() -> None:
     """A root finished lazy init (after ``_fault.new_epoch``): watch in its failure scope."""
-    WATCHDOG.new_epoch(_fault._STATE.epoch)
+    WATCHDOG.new_epoch(_fault.current_epoch())
 
 
 def set_stall_timeout(seconds: float | None) -> None:
-    """How long a collective may wait before the watchdog asks every rank where it is.
+    """The stall threshold: how long a collective may wait before the watchdog judges it.
 
-    Process-wide; also ``SHARDWEAVE_STALL_TIMEOUT`` (seconds, or ``off``). ``None`` turns the
-    diagnosis off (the watchdog still answers peers' questions). Default 10 s. Faults (ranks
-    at different collectives, a rank that raised or exited) are errors within about this
-    threshold plus a few seconds. A rank that is merely slow (every rank at the same
-    collective) is logged; a peer paused outside the engine is a warning until the idle
-    timeout (``set_idle_timeout``), so a checkpoint write on rank 0 needs no change here.
+    Process-wide, the same on every rank; also ``SHARDWEAVE_STALL_TIMEOUT`` (seconds, or
+    ``off``). Default 10 s. At the threshold every rank still waiting asks where its peers
+    are: a fault (a peer at another collective, one that raised or exited) is an error on
+    every rank within a few seconds; a peer that is alive but idle (a checkpoint, an eval, a
+    slow data loader or compile) is a warning, repeated at doubling intervals, and an error
+    only at the idle timeout (``set_idle_timeout``). ``None`` turns the watchdog off (no
+    heartbeat either: turn it off on every rank or none). This is the one stall knob:
+    ``FSDPModule.set_collective_checks(stall_timeout=...)`` sets it too (deprecated).
 
     Example::
 
         from shardweave.fsdp import set_stall_timeout
 
-        set_stall_timeout(30.0)  # diagnose later (e.g. a very slow interconnect)
+        set_stall_timeout(30.0)  # warn about idle peers after 30 s instead of 10 s
     """
-    if seconds is not None and (isinstance(seconds, bool) or not seconds > 0):
-        raise ValueError(
-            f"set_stall_timeout: seconds must be positive (or None to turn the diagnosis "
-            f"off), got {seconds!r}"
-        )
-    WATCHDOG.stall_timeout = None if seconds is None else float(seconds)
-    if seconds is not None and WATCHDOG._epoch != 0:
+    value = _channel.check_seconds("set_stall_timeout", seconds, "or None to turn it off")
+    _channel.TIMEOUTS.stall = value
+    if value is None:
+        WATCHDOG.stop()
+    elif WATCHDOG._epoch != 0:
         WATCHDOG._ensure_started()
 
 
 def set_idle_timeout(seconds: float | None) -> None:
-    """How long a peer may stay idle outside the engine before the ranks waiting for it raise.
+    """How long ranks wait for a peer that is alive but issues no collective.
 
-    A rank that issues no collective while its peers wait for it (rank 0 writing a checkpoint
-    or evaluating, host work between backward and the optimizer step, a slow data loader or
-    first compile) is logged as a warning from the stall threshold on, naming it and where it
-    last was; it becomes ``PeerIdleError`` on every waiting rank only after it has been idle
-    for this long. ``None`` (the default) uses the process group's own timeout (the
-    ``timeout`` given to ``init_process_group``), which torch's users already set for long
-    pauses. Process-wide; also ``SHARDWEAVE_IDLE_TIMEOUT`` (seconds).
+    Process-wide, the same on every rank; also ``SHARDWEAVE_IDLE_TIMEOUT`` (seconds). Default
+    ``None``: the timeout of the process group the ranks wait in (what ``init_process_group``
+    or ``new_group`` was given: 10 minutes on NCCL, 30 on gloo by default), as torch would
+    time out. Until then such a peer is a warning, never an error (see ``set_stall_timeout``);
+    at the idle timeout every waiting rank raises ``PeerIdleError`` naming it. It also bounds
+    the first forward's consistency check (unless ``SHARDWEAVE_CONSISTENCY_TIMEOUT`` is set).
 
     Example::
 
         from shardweave.fsdp import set_idle_timeout
 
-        set_idle_timeout(3600.0)  # rank 0 may evaluate for up to an hour between steps
+        set_idle_timeout(1800.0)  # rank 0 may spend up to 30 minutes writing a checkpoint
     """
-    if seconds is not None and (isinstance(seconds, bool) or not seconds > 0):
-        raise ValueError(
-            f"set_idle_timeout: seconds must be positive (or None for the process group's "
-            f"timeout), got {seconds!r}"
-        )
-    WATCHDOG.idle_timeout = None if seconds is None else float(seconds)
+    _channel.TIMEOUTS.idle = _channel.check_seconds(
+        "set_idle_timeout", seconds, "or None for the process group's timeout"
+    )
