@@ -61,7 +61,9 @@ def _category(pos: dict[str, Any] | None, mine: Phase = Phase.BACKWARD, **state:
     entry = _entry(phase=mine)
     judged = Watchdog()._judge(entry, {1: _state(pos, **state)}, stall=1.0, lost=2.0)
     found = [
-        name for name in ("exited", "mismatched", "raised", "busy", "idle") if getattr(judged, name)
+        name
+        for name in ("exited", "mismatched", "raised", "busy", "idle", "unheard")
+        if getattr(judged, name)
     ]
     assert len(found) == 1, (found, judged)
     return found[0]
@@ -71,7 +73,11 @@ RULES: dict[str, tuple[dict[str, Any] | None, dict[str, Any], str]] = {
     # (its position, its liveness, the verdict) for a rank waiting in step 3's #2
     "exit record": (_pos(), {"exit": "exited with an uncaught ValueError"}, "exited"),
     "heartbeat stood still": (_pos(), {"silent": 3.0, "watched": 3.0}, "exited"),
-    "heartbeat still, not watched long enough": (_pos(), {"silent": 1.0, "watched": 1.0}, "idle"),
+    "heartbeat still, not watched long enough": (
+        _pos(),
+        {"silent": 1.0, "watched": 1.0},
+        "unheard",
+    ),
     "behind, idle between steps": (
         _pos(
             step=2,

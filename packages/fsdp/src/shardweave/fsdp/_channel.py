@@ -10,8 +10,8 @@ Design note: the channel
     - **Keys** are ``shardweave/<scope>/...`` (``key``). The scopes in use:
       ``consistency/<ranks hash>/<generation>/<rank>/<what>`` (the first-forward check),
       ``fault/<epoch>/failure`` (one root's failure scope: the first failure or verdict),
-      ``live/<rank>`` (one process's heartbeat and position) and ``exit/<rank>`` (why a
-      process ended, when it could say).
+      ``watch/<epoch>`` (requests for heartbeats), ``live/<rank>`` (one process's heartbeat
+      and position) and ``exit/<rank>`` (why a process ended, when it could say).
     - **Exchanges** (``Exchange``): the ranks of one process group publish one payload each per
       generation and collect everybody's. The generation comes from a ticket counter in the
       store (``store.add``): a rank finishes generation ``g`` only after every peer wrote its
@@ -23,10 +23,15 @@ Design note: the channel
       rank, group and payload kind.
     - **First write wins** (``publish_once``): a failure scope's record is set with
       ``compare_set``, so every rank reads the same first failure.
-    - **Liveness** (``publish_beat``, ``Peers``): each process's watchdog thread bumps a
-      counter in its ``live/<rank>`` record every heartbeat period, with its position in the
-      engine. A reader judges a peer by its own clock: the time since it last saw that
-      counter move (clocks of different hosts are never compared). A thread keeps beating
+    - **Liveness** (``request_beats``, ``publish_beat``, ``Peers``): while a rank waits on a
+      stalled collective it bumps a request counter (``watch/<scope>``) every heartbeat
+      period; every process's watchdog thread reads that counter once per period and, for a
+      few periods after it moved, bumps a counter in its ``live/<rank>`` record with its
+      position in the engine. Healthy training thus writes nothing: a ``FileStore`` is an
+      append-only log, and a beat every second from every rank would grow it without bound
+      over a long job. A reader judges a peer by its own clock: the time since it last saw
+      that counter move (clocks of different hosts are never compared); an alive peer answers
+      a request within a period or two. A thread keeps beating
       while the training thread sleeps, waits on I/O or computes (torch's ops and
       ``time.sleep`` release the GIL, and a pure-Python loop hands it over every
       ``sys.getswitchinterval()``), so a silent record means the process exited, was killed
@@ -72,6 +77,7 @@ __all__ = [
     "Peers",
     "PeersMissing",
     "Timeouts",
+    "beat_requests",
     "exit_record",
     "heartbeat_period",
     "key",
@@ -81,6 +87,7 @@ __all__ = [
     "publish_once",
     "read",
     "record_exit",
+    "request_beats",
     "store",
     "thread_store",
 ]
@@ -241,6 +248,20 @@ def publish_beat(client: Store, position: dict[str, Any]) -> None:
     client.set(key("live", dist.get_rank()), json.dumps(record))
 
 
+def request_beats(client: Store, scope: object) -> None:
+    """Ask every process of ``scope`` to publish heartbeats for the next few periods."""
+    client.add(key("watch", scope), 1)
+
+
+def beat_requests(client: Store, scope: object) -> int:
+    """How many heartbeat requests ``scope`` has seen (a read: it never grows the store)."""
+    raw = read(client, key("watch", scope))
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        return 0
+
+
 def record_exit(reason: str) -> None:
     """Tell the peers why this process ends (its heartbeat stops just after)."""
     client = store()
@@ -264,6 +285,11 @@ class PeerState:
     silent_s: float  # since this reader last saw its heartbeat move (or began to look)
     watched_s: float  # how long this reader has been looking
     exit: str | None  # its exit record
+
+    @property
+    def answered(self) -> bool:
+        """Its heartbeat moved since this reader began to look: its position is current."""
+        return self.silent_s < self.watched_s
 
     def exited(self, lost_s: float) -> bool:
         """Gone: it said so, or its heartbeat stood still for ``lost_s`` while watched."""
@@ -300,7 +326,8 @@ class Peers:
                 position if isinstance(position, dict) else None,
                 now - moved if before is not None else 0.0,
                 now - since,
-                exit_record(client, rank),
+                # One more read only for a peer that did not just beat.
+                None if moved == now and before is not None else exit_record(client, rank),
             )
         return out
 

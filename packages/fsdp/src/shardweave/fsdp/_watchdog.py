@@ -14,12 +14,13 @@ Design note: the watchdog
     host wait there only orders streams, so it never marks an entry done.
 
     Liveness and position. Every heartbeat period (a fifth of the stall threshold, 0.1-1 s)
-    the thread publishes this rank's heartbeat through the cross-rank channel (``_channel``)
+    the thread reads the failure channel, so every rank adopts a published failure within a
+    period on every backend (see Design note: the failure channel, ``_fault``), and the
+    heartbeat requests of the cross-rank channel (``_channel``). While some rank waits on a
+    stalled collective (it requests beats each period), every rank publishes its heartbeat
     with its position: the step and phase (in the forward, between forward and backward, in
     the backward, between steps), the last collective it issued, the collectives not yet
-    complete, and how long the engine has been idle. The same beat reads the failure channel,
-    so every rank adopts a published failure within a heartbeat on every backend (see Design
-    note: the failure channel, ``_fault``).
+    complete, and how long the engine has been idle.
 
     Diagnosis. Once a collective has stalled for the stall threshold (``set_stall_timeout``,
     ``SHARDWEAVE_STALL_TIMEOUT``, default 10 s) the thread judges each peer of its group from
@@ -51,10 +52,11 @@ Design note: the watchdog
     in a device synchronization behind the dead collective, torch's NCCL watchdog ends the
     process at the process group's timeout, with the verdict already in every rank's log.
 
-    Cost while healthy: one small store write (the heartbeat) and one read (the failure
-    record) per heartbeat period, a deque append per collective, and an ``is_completed()`` or
-    event query per collective in flight per poll. A stalled rank reads its group's heartbeat
-    records once per heartbeat period. Measured in the migration guide.
+    Cost while healthy: two small store reads (the failure record, the heartbeat requests)
+    per heartbeat period and no write, a deque append per collective, and an
+    ``is_completed()`` or event query per collective in flight per poll. While a collective is
+    stalled, its rank requests beats and reads its group's heartbeat records once per period,
+    and every rank writes its heartbeat once per period. Measured in the migration guide.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ IDLE_ENV: Final = _channel.IDLE_ENV
 DEFAULT_STALL_S: Final = _channel.DEFAULT_STALL_S
 POLL_S: Final = 0.5  # completion checks: local, cheap
 MAX_PENDING: Final = 16  # collectives in flight named in a heartbeat (oldest first)
+BEAT_FOR: Final = 5  # heartbeat periods a process keeps beating after a request
 _NCCL_ERROR_HANDLING: Final = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
@@ -214,6 +217,7 @@ class _Judgement:
     raised: list[str] = field(default_factory=list)
     idle: list[str] = field(default_factory=list)
     busy: list[str] = field(default_factory=list)  # at the collective, or waiting elsewhere
+    unheard: list[int] = field(default_factory=list)  # no fresh heartbeat yet
 
     def verdict(self, where: str) -> tuple[str, str] | None:
         """(error class name, message) for a fault; None for a pause or a slow collective."""
@@ -255,6 +259,8 @@ class Watchdog:
         self._watching: Tracked | None = None  # the stalled entry whose peers it watches
         self._next_beat = 0.0
         self._next_observe = 0.0
+        self._requests_seen: int | None = None
+        self._beat_until = 0.0
         self._adopted: _fault.Failure | None = None
         self._backward_left: tuple[int, int] | None = None  # (epoch, step) seen once
 
@@ -310,10 +316,15 @@ class Watchdog:
         if client is None or self._epoch == 0 or self._epoch != _fault.current_epoch():
             return
         now = time.monotonic()
+        period = _channel.heartbeat_period()
         if now >= self._next_beat:
-            period = _channel.heartbeat_period()
             self._next_beat = now + period
-            _channel.publish_beat(client, self._position(period))
+            requests = _channel.beat_requests(client, self._epoch)
+            if requests != self._requests_seen:  # a peer waits on a stall: beat for a while
+                self._requests_seen = requests
+                self._beat_until = now + max(BEAT_FOR * period, 1.0)
+            if now < self._beat_until:
+                _channel.publish_beat(client, self._position(period))
             failure = _fault.poll_failure(client)
             if failure is not None and failure is not self._adopted:
                 self._adopted = failure
@@ -327,14 +338,15 @@ class Watchdog:
             self._peers.forget()
             return
         age = now - since
-        if age < _channel.heartbeat_period():
+        if age < period:
             return
         if entry is not self._watching:  # a new stall: watch its peers from now on
             self._watching = entry
             self._peers.forget()
         if now < self._next_observe:
             return
-        self._next_observe = now + _channel.heartbeat_period()
+        self._next_observe = now + period
+        _channel.request_beats(client, self._epoch)  # the peers beat while this one waits
         states = self._peers.observe(client, self._peer_ranks(entry))
         if age >= stall:
             self._diagnose(entry, age, states, stall)
@@ -409,6 +421,9 @@ class Watchdog:
                     f"{state.silent_s:.0f} s (its process exited, was killed, or is frozen); it "
                     f"was last {seen}"
                 )
+                continue
+            if not state.answered:  # not heard from since the request: judged next time
+                out.unheard.append(rank)
                 continue
             if pos is None or int(pos.get("epoch", 0)) != entry.epoch:
                 out.idle.append(f"rank {rank} is alive but not running this model's steps")
@@ -510,6 +525,8 @@ class Watchdog:
                     entry.next_warning,
                 )
             return
+        if judged.unheard:
+            return  # judged once they answer (or once their silence makes them exited)
         if not entry.reported_slow:
             entry.reported_slow = True
             logger.warning(
@@ -527,15 +544,17 @@ class Watchdog:
         entry.finish()
         period = _channel.heartbeat_period()
         stall = _channel.TIMEOUTS.stall or DEFAULT_STALL_S
-        # A peer that just died still has a fresh heartbeat: watch it for a few periods.
-        lost = 3 * period
+        # An alive peer answers the request within a period or two; one that just died does
+        # not: watch for a few periods (at least the floor: a loaded host delays threads).
+        lost = max(4 * period, _channel.LOST_FLOOR_S)
         peers = _channel.Peers()
         ranks = self._peer_ranks(entry)
-        deadline = time.monotonic() + lost + period
+        deadline = time.monotonic() + lost + 2 * period
         while True:
+            _channel.request_beats(client, entry.epoch)
             states = peers.observe(client, ranks)
             judged = self._judge(entry, states, stall, lost)
-            settled = all(s.watched_s > 0 and s.silent_s < s.watched_s for s in states.values())
+            settled = all(s.answered for s in states.values())
             if judged.exited or judged.mismatched or judged.raised or settled:
                 break
             if time.monotonic() >= deadline:
