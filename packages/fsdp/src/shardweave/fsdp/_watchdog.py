@@ -578,7 +578,9 @@ class Watchdog:
 
     def _fail(self, entry: Tracked, kind: str, message: str) -> None:
         self._failed_epoch = entry.epoch
-        _fault.publish_verdict(kind, message, entry.epoch)
+        on_thread = threading.current_thread() is self._thread
+        client = _channel.thread_store() if on_thread else None  # see Design note: the channel
+        _fault.publish_verdict(kind, message, entry.epoch, client)
 
     def _on_failure(self, failure: _fault.Failure) -> None:
         """A failure was adopted: say so at once on every rank (the training thread may be
