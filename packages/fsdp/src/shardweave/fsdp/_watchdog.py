@@ -273,6 +273,7 @@ class Watchdog:
             self._watching = None
             self._backward_left = None
         self._next_beat = 0.0
+        self._requests_seen = 0  # the new scope's request counter starts at 0
         if epoch != 0 and _channel.TIMEOUTS.stall is not None:
             self._ensure_started()
 
