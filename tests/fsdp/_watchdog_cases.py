@@ -262,16 +262,21 @@ def paused_rank(case: str, world: int) -> int:
 
 
 class _SlowBackend:
-    """A torch.compile backend that runs the graph eagerly, after ``delay`` seconds the first
+    """A torch.compile backend that runs the graph eagerly, after ``delay`` seconds the next
     time it compiles (a slow compile on one rank)."""
 
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
+    def __init__(self) -> None:
+        self.delay = 0.0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         time.sleep(self.delay)
         self.delay = 0.0
         return gm.forward  # type: ignore[no-any-return]
+
+
+# One backend object per process: dynamo keys its cache on the backend, and a new one per run
+# would recompile until dynamo's recompile limit, then stop compiling.
+_BACKEND = _SlowBackend()
 
 
 class _Batches(torch.utils.data.Dataset[torch.Tensor]):
@@ -300,11 +305,13 @@ def _train(rank: int, world: int, case: str | None, tmp: str) -> list[float]:
     where, at, _ = PAUSES[case] if case is not None else ("", -1, "")
     pauses = case is not None and rank == paused_rank(case, world)
     net = _build(_fresh_mesh())
-    # Every run compiles block 0's activation, so the runs with and without the pause run
-    # the same code; only the paused rank's backend is slow.
-    backend = _SlowBackend(PAUSE_S if pauses and where == "compile" else 0.0)
+    # Every run compiles block 0's activation afresh (a reset drops the previous run's
+    # graphs), so the runs with and without the pause run the same code; only the paused
+    # rank's compile is slow.
+    torch._dynamo.reset()
+    _BACKEND.delay = PAUSE_S if pauses and where == "compile" else 0.0
     block0: Any = net.blocks[0]
-    block0.act = torch.compile(torch.relu, backend=backend)
+    block0.act = torch.compile(torch.relu, backend=_BACKEND)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(
         _Batches(rank, at if pauses and where == "loader" else None), batch_size=None

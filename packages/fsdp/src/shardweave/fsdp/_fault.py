@@ -290,8 +290,8 @@ def checks_enabled() -> bool:
 
 
 # --- publishing -----------------------------------------------------------------------------
-def _publish(epoch: int, kind: str, message: str) -> bool:
-    client = _channel.store()
+def _publish(epoch: int, kind: str, message: str, client: Store | None = None) -> bool:
+    client = client if client is not None else _channel.store()
     if client is None or epoch == 0:
         return False
     record = {"origin": dist.get_rank(), "kind": kind, "message": message}
@@ -313,11 +313,12 @@ def publish_failure(exc: BaseException, where: str = "") -> None:
     _STATE.published = _publish(_STATE.epoch, "", detail)
 
 
-def publish_verdict(kind: str, message: str, epoch: int) -> None:
+def publish_verdict(kind: str, message: str, epoch: int, client: Store | None = None) -> None:
     """Publish the watchdog's verdict (``kind`` names the error class) as ``epoch``'s
     failure, so every rank raises it (first failure wins). The epoch is the diagnosed
-    collective's: a diagnosis that outlives its model must not fail the next."""
-    _publish(epoch, kind, message)
+    collective's: a diagnosis that outlives its model must not fail the next. ``client``: the
+    watchdog thread's own store client."""
+    _publish(epoch, kind, message, client)
 
 
 def poll_failure(client: Store | None = None) -> Failure | None:

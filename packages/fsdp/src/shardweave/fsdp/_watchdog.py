@@ -273,6 +273,7 @@ class Watchdog:
             self._watching = None
             self._backward_left = None
         self._next_beat = 0.0
+        self._requests_seen = 0  # the new scope's request counter starts at 0
         if epoch != 0 and _channel.TIMEOUTS.stall is not None:
             self._ensure_started()
 
@@ -578,7 +579,9 @@ class Watchdog:
 
     def _fail(self, entry: Tracked, kind: str, message: str) -> None:
         self._failed_epoch = entry.epoch
-        _fault.publish_verdict(kind, message, entry.epoch)
+        on_thread = threading.current_thread() is self._thread
+        client = _channel.thread_store() if on_thread else None  # see Design note: the channel
+        _fault.publish_verdict(kind, message, entry.epoch, client)
 
     def _on_failure(self, failure: _fault.Failure) -> None:
         """A failure was adopted: say so at once on every rank (the training thread may be
