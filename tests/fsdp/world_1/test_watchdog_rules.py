@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _channel, _watchdog
+from shardweave.fsdp import _channel, _fault, _watchdog
 from shardweave.fsdp._fault import Phase
 from shardweave.fsdp._watchdog import Tracked, Watchdog, abort_if_supported, describe
 from tests._dist import WorkerPool
@@ -183,6 +183,39 @@ def test_position_words() -> None:
     assert describe(waiting) == (
         "waiting in the collective check before the all-gather of group 'blocks.0' (step 3, #1)"
     )
+
+
+def test_a_peer_past_the_collective_is_confirmed_a_period_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Closed form: "already past it" alone is a verdict only when seen twice while ours is
+    still pending (gloo can finish a collective on one rank a moment before another, and that
+    rank's heartbeat then shows its next collective); any other mismatch is one at once."""
+    monkeypatch.setattr(_fault, "current_epoch", lambda: EPOCH)
+    failed: list[str] = []
+    w = Watchdog()
+    monkeypatch.setattr(w, "_fail", lambda entry, kind, message: failed.append(kind))
+    work = _Completion()
+    entry = Tracked(3, 2, "all_gather", "blocks.1", None, "cpu", work, epoch=EPOCH)  # type: ignore[arg-type]
+    monkeypatch.setattr(_watchdog.dist, "get_rank", lambda: 0)
+    past = {1: _state(_pos(seq=4, last=[3, 4, "all_gather", "blocks.3", False]))}
+    w._diagnose(entry, 12.0, past, stall=1.0)
+    assert failed == []  # first look: ours may be finishing too
+    w._diagnose(entry, 13.0, past, stall=1.0)
+    assert failed == ["CollectiveMismatchError"]  # still pending a period later: a skip
+    # Ours finished between the looks: no verdict.
+    failed.clear()
+    entry = Tracked(3, 2, "all_gather", "blocks.1", None, "cpu", work, epoch=EPOCH)  # type: ignore[arg-type]
+    w._diagnose(entry, 12.0, past, stall=1.0)
+    work.done = True
+    w._diagnose(entry, 13.0, past, stall=1.0)
+    assert failed == []
+    # A peer at another collective with the same number: at once.
+    work.done = False
+    entry = Tracked(3, 2, "all_gather", "blocks.1", None, "cpu", work, epoch=EPOCH)  # type: ignore[arg-type]
+    other = {1: _state(_pos(seq=2, pending=[[3, 2, "all_gather", "blocks.2", False]]))}
+    w._diagnose(entry, 12.0, other, stall=1.0)
+    assert failed == ["CollectiveMismatchError"]
 
 
 class _Completion:

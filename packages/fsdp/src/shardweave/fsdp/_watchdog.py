@@ -30,7 +30,9 @@ Design note: the watchdog
       (at least 2 s): ``PeerExitedError``;
     - *at another collective*: the peer's collective with the same number is another one, or
       the peer already finished (or skipped) it, or it finished this step's backward with
-      fewer collectives: ``CollectiveMismatchError``;
+      fewer collectives: ``CollectiveMismatchError``. "Already finished" alone is confirmed by
+      a second look a period later (gloo can finish a collective on one rank a moment before
+      another, and that rank's heartbeat may show its next collective already);
     - *raised*: it published an exception (every rank raises ``PeerFailureError`` at once), or
       its backward stopped half-way with no thread left in autograd (an exception escaped
       ``backward()``): ``PeerFailureError``;
@@ -56,7 +58,8 @@ Design note: the watchdog
     per heartbeat period and no write, a deque append per collective, and an
     ``is_completed()`` or event query per collective in flight per poll. While a collective is
     stalled, its rank requests beats and reads its group's heartbeat records once per period,
-    and every rank writes its heartbeat once per period. Measured in the migration guide.
+    and every rank writes its heartbeat once per period. Measured in the migration guide
+    ("What it costs a healthy job").
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class Tracked:
     waiting_since: float | None = None  # when the host began to block on it (CPU)
     next_warning: float = 0.0  # stall age of the next idle warning (0: the stall threshold)
     reported_slow: bool = False
+    seen_passed: bool = False  # a peer looked past it once (confirmed by the next look)
 
     def pending(self) -> bool:
         """Not yet complete: not waited on the host (CPU), nor reported complete."""
@@ -218,6 +222,7 @@ class _Judgement:
     idle: list[str] = field(default_factory=list)
     busy: list[str] = field(default_factory=list)  # at the collective, or waiting elsewhere
     unheard: list[int] = field(default_factory=list)  # no fresh heartbeat yet
+    passed: int = 0  # how many of the mismatched are peers already past the collective
 
     def verdict(self, where: str) -> tuple[str, str] | None:
         """(error class name, message) for a fault; None for a pause or a slow collective."""
@@ -448,6 +453,7 @@ class Watchdog:
                 out.busy.append(f"rank {rank} is at the same collective (ended on its side)")
                 continue
             if last is not None and (int(last[0]), int(last[1])) >= here:
+                out.passed += 1
                 out.mismatched.append(
                     f"rank {rank} is already past it (its last collective is the "
                     f"{_brief_text(last)}): it skipped this one, or its collective #{entry.seq} "
@@ -496,6 +502,16 @@ class Watchdog:
             return  # it finished (or its model was dropped) while we looked
         where = self._where(entry, age)
         verdict = judged.verdict(where)
+        if verdict is not None and not judged.exited and judged.passed == len(judged.mismatched):
+            # Only peers "past it": gloo may complete a collective on one rank a moment before
+            # another, and a peer's heartbeat may show its next collective while ours is still
+            # finishing. A real skip persists; a finish in flight does not: confirm it one
+            # period later, while ours is still pending.
+            if not entry.seen_passed:
+                entry.seen_passed = True
+                return
+        else:
+            entry.seen_passed = False
         if verdict is not None:
             self._fail(entry, *verdict)
             return
