@@ -21,6 +21,7 @@ from shardweave.fsdp import (
     CollectiveMismatchError,
     PeerFailureError,
     PeerIdleError,
+    _fault,
     failure_guard,
     fully_shard,
     set_idle_timeout,
@@ -199,12 +200,31 @@ def unused_params(rank: int, world: int) -> None:
             m.zero_grad(set_to_none=True)
 
 
+def every_rank_raises_then_recovers(rank: int, world: int) -> None:
+    """Every rank raises its own exception in one step, catches it and goes on: no rank may
+    then get a peer's exception raised back (whose record won the publish is a race, here
+    forced: rank 0 publishes first, rank 1 raises after and has adopted rank 0's record)."""
+    net = _build(_fresh_mesh())
+    _step(net, rank, 0)
+    for turn in range(world):
+        if turn == rank:
+            with pytest.raises(ValueError, match="bad batch"), failure_guard():
+                raise ValueError(f"bad batch on rank {rank}")
+        dist.barrier()
+    adopted = _fault.poll_failure()
+    assert adopted is not None and adopted.origin == 0, adopted
+    _step(net, rank, 1)  # both ranks train on
+    for name, p in net.named_parameters():
+        assert p.grad is not None and bool(torch.isfinite(p.grad.to_local()).all()), name  # type: ignore[attr-defined]
+
+
 CASES: dict[str, Callable[[int, int], None]] = {
     "peer_raises_in_forward": peer_raises_in_forward,
     "peer_raises_outside_forward": peer_raises_outside_forward,
     "rank_skips_a_module": rank_skips_a_module,
     "rank_leaves_the_step": rank_leaves_the_step,
     "unused_params": unused_params,
+    "every_rank_raises_then_recovers": every_rank_raises_then_recovers,
 }
 
 

@@ -13,8 +13,9 @@ Design note: the failure channel
     heartbeat and adopts it, and a rank waiting on a collective on CPU also reads it at each
     ``POLL_INTERVAL`` wake-up. The training thread raises an adopted record at its next engine
     call (``raise_if_failed``, before every collective the seam issues) or wait. A rank's own
-    exception is not raised back on that rank; a verdict is raised on every rank, the judge
-    and the culprit included. A verdict keeps its error class (``CollectiveMismatchError``,
+    exception is not raised back on that rank, nor on a rank that raised one of its own in the
+    same scope (every rank may raise, catch its own and go on; whose record won the publish is
+    a race); a verdict is raised on every rank, the judge and the culprit included. A verdict keeps its error class (``CollectiveMismatchError``,
     ``PeerExitedError``, ``PeerIdleError``); a peer's exception becomes ``PeerFailureError``.
 
     This module also keeps the rank's progress in the engine (step, collective number,
@@ -78,6 +79,7 @@ __all__ = [
     "progress",
     "publish_failure",
     "publish_verdict",
+    "raisable",
     "raise_if_failed",
     "set_checks",
     "verdict_error",
@@ -218,6 +220,10 @@ class _FaultState:
         self.checks = os.environ.get(CHECK_ENV) == "1"
         self.names: dict[int, str] = {}  # group hash -> group name, for peers' signatures
         self.published = False
+        # This rank raised its own exception in the current epoch (published or not): a peer's
+        # exception published in the same epoch is then not raised here, since every rank
+        # that raised may catch its own and go on (whose record wins the publish is a race).
+        self.raised_own = False
         self.failure: Failure | None = None  # adopted, for the current epoch
 
 
@@ -238,6 +244,7 @@ def new_epoch(nonce: int | None) -> None:
     _STATE.phase = Phase.INIT
     _STATE.active = time.monotonic()
     _STATE.published = False
+    _STATE.raised_own = False
     _STATE.failure = None
     _install_excepthook()
 
@@ -303,7 +310,10 @@ def _publish(epoch: int, kind: str, message: str, client: Store | None = None) -
 
 def publish_failure(exc: BaseException, where: str = "") -> None:
     """Tell the peers that this rank failed with ``exc`` (first failure per epoch wins)."""
-    if isinstance(exc, (PeerFailureError, KeyboardInterrupt)) or _STATE.published:
+    if isinstance(exc, (PeerFailureError, KeyboardInterrupt)):
+        return
+    _STATE.raised_own = True
+    if _STATE.published:
         return
     text = f"{type(exc).__name__}: {exc}"
     if len(text) > 2000:
@@ -341,19 +351,21 @@ def poll_failure(client: Store | None = None) -> Failure | None:
     return found
 
 
-def _raisable(failure: Failure | None) -> bool:
-    """A rank's own exception is not raised back on it; a verdict is raised everywhere."""
-    return (
-        failure is not None
-        and failure.epoch == _STATE.epoch
-        and (bool(failure.kind) or failure.origin != dist.get_rank())
-    )
+def raisable(failure: Failure | None) -> bool:
+    """A verdict is raised everywhere; a rank's exception only on the ranks that raised none
+    of their own in the same epoch (not back on its origin, nor on a rank whose own
+    exception merely lost the race to publish)."""
+    if failure is None or failure.epoch != _STATE.epoch:
+        return False
+    if failure.kind:
+        return True
+    return failure.origin != dist.get_rank() and not _STATE.raised_own
 
 
 def raise_if_failed(what: str | Callable[[], str]) -> None:
     """Raise the adopted failure, if any, at an engine call (cheap: no store access)."""
     failure = _STATE.failure
-    if failure is not None and _raisable(failure):
+    if failure is not None and raisable(failure):
         text = what if isinstance(what, str) else what()
         raise _failure_error(failure, f"about to issue {text}")
 
@@ -511,7 +523,7 @@ def wait(
     try:
         while not finished():
             failure = poll_failure()
-            if _raisable(failure):
+            if raisable(failure):
                 assert failure is not None
                 text = what if isinstance(what, str) else what()
                 raise _failure_error(failure, f"waiting in {text}")

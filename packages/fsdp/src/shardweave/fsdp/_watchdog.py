@@ -602,7 +602,7 @@ class Watchdog:
     def _on_failure(self, failure: _fault.Failure) -> None:
         """A failure was adopted: say so at once on every rank (the training thread may be
         blocked where it cannot raise yet), and abort where torch supports it."""
-        if failure.kind or failure.origin != dist.get_rank():
+        if _fault.raisable(failure):
             logger.error(
                 "shardweave: %s (this rank raises it at its next engine call or wait)",
                 failure.message,
