@@ -1,133 +1,209 @@
-"""What ``fully_shard`` does before any group exists: validate, pick modules and params, move."""
+"""Assembling what ``fully_shard`` builds once its arguments are checked (``_fsdp_args``):
+the managed modules and parameters, the state, the parameter groups and the class swap.
+
+As torch's ``_fsdp_init.py``: the module argument comes down here once, and nothing here calls
+back up to ``fully_shard``; the class to mix in is passed in (``module_cls``).
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from shardweave.fsdp._fsdp_args import (
+    FullyShardArgs,
+    validate_reshard_after_forward,
+    validate_reshard_factor,
+)
 from shardweave.fsdp._fsdp_common import ShardPlacementResult
-from shardweave.fsdp._fsdp_state import get_fsdp_state
-from shardweave.fsdp._torch_interop import managed_by_torch
-from shardweave.mesh import ArgumentTypeError, FSDPMeshInfo, HSDPMeshInfo
+from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
+from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
+from shardweave.fsdp._torch_interop import expose_state_to_torch, torch_marker_bases
+from shardweave.mesh import DataParallelMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = [
+    "attach_engine",
+    "build_groups",
+    "init_fully_shard",
     "managed_modules",
     "managed_params_and_buffers",
-    "module_arguments",
     "move_states_to_device",
     "post_forward_mesh_info",
     "resolve_shard_placements",
-    "validate_ignored_params",
-    "validate_module",
-    "validate_reshard_after_forward",
-    "validate_shard_placement_fn",
+    "root_modules",
+    "swap_class",
 ]
 
 logger = logging.getLogger("shardweave.fsdp")
 
 
-def validate_module(module: nn.Module, api: str) -> None:
-    if (
-        isinstance(module, (nn.ModuleList, nn.ModuleDict))
-        and type(module).forward is nn.Module.forward
-    ):
-        raise ValueError(
-            f"{api} does not support containers that do not implement forward: "
-            f"{type(module).__name__}; apply {api} to each child, or to a module whose forward "
-            "runs them"
+def init_fully_shard(args: FullyShardArgs, *, module_cls: type) -> None:
+    """Build and attach what one checked ``fully_shard`` call manages; its roots become
+    ``FSDP<their class>`` instances, also of ``module_cls``."""
+    mesh_info, device = args.mesh_info, args.device
+    reshard_after_forward = args.reshard_after_forward
+    auto_reshard = reshard_after_forward is None
+    # Replicate-only dp_mesh_dims: nothing is sharded, so nothing reshards after forward.
+    post_info = (
+        post_forward_mesh_info(
+            True if reshard_after_forward is None else reshard_after_forward, mesh_info
+        )
+        if isinstance(mesh_info, FSDPMeshInfo)
+        else None
+    )
+
+    def make_groups(
+        params: list[nn.Parameter], roots: tuple[nn.Module, ...]
+    ) -> list[FSDPParamGroup]:
+        placements: list[tuple[Any, DataParallelMeshInfo]] = [(None, mesh_info)] * len(params)
+        if isinstance(mesh_info, FSDPMeshInfo):
+            placements = list(resolve_shard_placements(params, args.shard_placement_fn, mesh_info))
+        return build_groups(
+            params,
+            placements=placements,
+            roots=roots,
+            mesh_info=mesh_info,
+            post_forward_mesh_info=post_info,
+            reshard_after_forward=reshard_after_forward,
+            device=device,
+            mp_policy=args.mp_policy,
+            offload_policy=args.offload_policy,
         )
 
+    attach_engine(
+        args.modules,
+        ignored_params=args.ignored_params,
+        device=device,
+        make_state=lambda roots: FSDPState(
+            roots,
+            device=device,
+            mp_policy=args.mp_policy,
+            mesh_info=mesh_info,
+            auto_reshard_after_forward=auto_reshard,
+        ),
+        make_groups=make_groups,
+        module_cls=module_cls,
+        class_prefix="FSDP",
+        mark_managed=True,
+    )
 
-def module_arguments(module: object, api: str) -> tuple[nn.Module, ...]:
-    """The modules of ``api``'s ``module`` argument (one module, or a list or tuple of them)."""
-    if isinstance(module, nn.Module):
-        validate_module(module, api)
-        _reject_torch_managed(module, api)
-        return (module,)
-    if isinstance(module, (str, bytes, torch.Tensor)) or not isinstance(module, Iterable):
-        raise ArgumentTypeError(
-            f"{api}: module must be an nn.Module or a list of nn.Modules, got "
-            f"{type(module).__name__} {module!r:.80}; pass the model or one of its blocks, "
-            f"e.g. {api}(model.layers[0])"
-        )
-    modules = tuple(module)
-    for i, m in enumerate(modules):
-        if not isinstance(m, nn.Module):
-            raise ArgumentTypeError(
-                f"{api}: module[{i}] is a {type(m).__name__} ({m!r:.80}), not an nn.Module; "
-                "pass a list of nn.Modules that form one group"
+
+def attach_engine(
+    modules: tuple[nn.Module, ...],
+    *,
+    ignored_params: set[nn.Parameter] | None,
+    device: torch.device,
+    make_state: Callable[[tuple[nn.Module, ...]], FSDPState],
+    make_groups: Callable[[list[nn.Parameter], tuple[nn.Module, ...]], list[FSDPParamGroup]],
+    module_cls: type,
+    class_prefix: str,
+    mark_managed: bool,
+) -> None:
+    """What ``fully_shard`` and ``replicate`` share once their arguments are checked.
+
+    Collects the parameters and buffers of ``modules`` that no inner call manages (less the
+    ignored ones), moves them to ``device``, attaches ``make_state(roots)`` with
+    ``make_groups(params, roots)`` (detached again if building a group fails, so a failed call
+    leaves the modules as they were) and swaps each root's class to
+    ``<class_prefix><its class>``, which also derives from ``module_cls``. ``mark_managed`` sets
+    the two attributes torch's ``fully_shard`` puts on managed modules (its ``replicate`` does
+    not). Published as ``shardweave.fsdp.engine.attach_engine``: its signature is under that
+    module's promise.
+    """
+    ignored = set(ignored_params or ())
+    roots = root_modules(modules)
+    managed = managed_modules(roots, ignored)
+    params, buffers = managed_params_and_buffers(managed, ignored)
+    move_states_to_device(params, buffers, device)
+    state = make_state(roots)
+    try:
+        state._fsdp_param_groups = make_groups(params, roots)
+    except BaseException:
+        state.detach()
+        raise
+    if mark_managed:
+        for m in managed:
+            m._is_fsdp_managed_module = True  # type: ignore[assignment]
+            m._fsdp_use_orig_params = True  # type: ignore[assignment]
+    for root in roots:
+        expose_state_to_torch(root, state)
+        swap_class(root, module_cls, class_prefix)
+
+
+def root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
+    """The listed modules that are not inside another listed module."""
+    roots: list[nn.Module] = []
+    for m in modules:
+        inside = any(other is not m and m in set(other.modules()) for other in modules)
+        if not inside and m not in roots:
+            roots.append(m)
+    return tuple(roots)
+
+
+def build_groups(
+    params: list[nn.Parameter],
+    *,
+    placements: list[tuple[Any, DataParallelMeshInfo]],
+    roots: tuple[nn.Module, ...],
+    mesh_info: DataParallelMeshInfo,
+    post_forward_mesh_info: FSDPMeshInfo | None,
+    reshard_after_forward: bool | int | None,
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+) -> list[FSDPParamGroup]:
+    """The parameter groups of one call: one per distinct mesh among ``placements`` (each
+    parameter's ``(Shard placement or None, mesh info)``, in ``params`` order), since
+    ``shard_placement_fn`` may move parameters to another mesh.
+
+    ``post_forward_mesh_info`` is where ``mesh_info``'s parameters reshard to after forward
+    (None: fully); ``reshard_after_forward`` derives it for the other meshes. Published as
+    ``shardweave.fsdp.engine.build_groups``: its signature is under that module's promise.
+    """
+    if not params:
+        return []
+    by_key: dict[tuple[Any, Any], tuple[DataParallelMeshInfo, list[int]]] = {}
+    for i, (_, info) in enumerate(placements):
+        shard = getattr(info, "shard_process_group", None)
+        replicate = getattr(info, "replicate_process_group", None)
+        key = (shard, replicate)
+        entry = by_key.setdefault(key, (info, []))
+        if entry[0] is not info:
+            raise ValueError(
+                "shard_placement_fn returned different FSDPMeshInfo objects for the same process "
+                "groups; reuse one FSDPMeshInfo per mesh"
             )
-        _reject_torch_managed(m, api)
-    return modules
-
-
-def _reject_torch_managed(module: nn.Module, api: str) -> None:
-    # Checked before anything moves: the class swap would fail later with an MRO TypeError.
-    if managed_by_torch(module):
-        raise AssertionError(
-            "Each distinct composable distributed API can only be applied to a module once. "
-            f"torch's own fully_shard or replicate already manages {type(module).__name__}, so "
-            f"shardweave's {api} cannot: use one engine for the whole model"
-        )
-
-
-def validate_ignored_params(ignored_params: object, api: str) -> set[nn.Parameter]:
-    """``ignored_params`` as a set, after checking it holds parameters (``None``: empty)."""
-    if ignored_params is None:
-        return set()
-    if isinstance(ignored_params, torch.Tensor):
-        # A lone tensor is iterable (over its rows), which would silently mean something else.
-        raise TypeError(
-            f"{api}: ignored_params must be a set of parameters, got a single "
-            f"{type(ignored_params).__name__} of shape {tuple(ignored_params.shape)}; wrap it "
-            "in a set, e.g. ignored_params={module.weight}"
-        )
-    if isinstance(ignored_params, nn.Module):
-        raise TypeError(
-            f"{api}: ignored_params must be a set of parameters, got the module "
-            f"{type(ignored_params).__name__}; pass set(module.parameters())"
-        )
-    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
-        raise TypeError(
-            f"{api}: ignored_params must be a set of parameters, got "
-            f"{type(ignored_params).__name__}; pass e.g. set(module.parameters())"
-        )
-    for item in ignored_params:
-        if isinstance(item, nn.Module):
-            raise TypeError(
-                f"{api}: ignored_params holds the module {type(item).__name__}, not its "
-                "parameters; pass set(module.parameters()) to ignore all of them"
+        entry[1].append(i)
+    groups: list[FSDPParamGroup] = []
+    for info, indices in by_key.values():
+        group_post = (
+            post_forward_mesh_info
+            if info is mesh_info or not isinstance(info, FSDPMeshInfo)
+            # the module's function: the argument of the same name shadows it here
+            else _post_forward_mesh_info(
+                True if reshard_after_forward is None else reshard_after_forward, info
             )
-        if not isinstance(item, nn.Parameter):
-            raise TypeError(
-                f"{api}: ignored_params must hold nn.Parameters, got a {type(item).__name__}; "
-                "pass the module's parameters, e.g. set(module.parameters())"
+        )
+        groups.append(
+            FSDPParamGroup(
+                [params[i] for i in indices],
+                roots,
+                info,
+                group_post,
+                device,
+                [placements[i][0] for i in indices],
+                mp_policy,
+                offload_policy,
             )
-    return set(ignored_params)
-
-
-def validate_shard_placement_fn(shard_placement_fn: object, api: str) -> None:
-    if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError(
-            f"{api}: shard_placement_fn must be a callable taking a parameter, got "
-            f"{shard_placement_fn!r} ({type(shard_placement_fn).__name__}); pass a function, "
-            "e.g. shard_placement_fn=lambda param: Shard(1)"
         )
-
-
-def validate_reshard_after_forward(reshard_after_forward: object) -> None:
-    if not isinstance(reshard_after_forward, (bool, int)):
-        raise ValueError(
-            "reshard_after_forward should be a bool or an int representing the group size to "
-            f"reshard to, not {reshard_after_forward!r}; pass True, False, None (the default) "
-            "or an int that divides the shard world size"
-        )
+    return groups
 
 
 def post_forward_mesh_info(
@@ -138,13 +214,7 @@ def post_forward_mesh_info(
     size = mesh_info.shard_mesh_size
     if not isinstance(reshard_after_forward, bool):
         k = reshard_after_forward
-        if k < 1 or k > size or size % k != 0:
-            factors = tuple(d for d in range(1, size + 1) if size % d == 0)
-            raise ValueError(
-                "If passing reshard_after_forward as an int, it should be a factor of "
-                f"{size}, not {k}; pass one of {factors} (the group size to reshard to), or "
-                "True/False"
-            )
+        validate_reshard_factor(k, size)
         if k == 1:
             logger.warning(
                 "reshard_after_forward=1 (int) means resharding to world size 1, i.e. keeping "
@@ -160,6 +230,9 @@ def post_forward_mesh_info(
             mesh = DeviceMesh(mesh_info.mesh.device_type, ranks)
             return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     return mesh_info if reshard_after_forward else None
+
+
+_post_forward_mesh_info = post_forward_mesh_info  # for build_groups, whose argument shadows it
 
 
 def managed_modules(
@@ -255,3 +328,26 @@ def resolve_shard_placements(
                 "whole on every rank, list it in ignored_params or use replicate())"
             )
     return resolved
+
+
+_CLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
+    raise AssertionError(
+        "FSDP does not support deepcopy of a sharded module; deepcopy the model before "
+        "fully_shard, or use its state_dict"
+    )
+
+
+def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
+    """Make ``module`` an instance of ``FSDP<Its class>``: ``mixin`` first, so its methods win,
+    then torch's ``FSDPModule`` as a marker (see _torch_interop), then the module's own class."""
+    cls = type(module)
+    key = (cls, mixin)
+    new_cls = _CLASS_CACHE.get(key)
+    if new_cls is None:
+        bases = (mixin, *torch_marker_bases(), cls)
+        new_cls = type(f"{prefix}{cls.__name__}", bases, {"__deepcopy__": _no_deepcopy})
+        _CLASS_CACHE[key] = new_cls
+    module.__class__ = new_cls

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -25,9 +25,39 @@ from shardweave.mesh.extension_points import ALL_GATHER, AllGatherExtension
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
-    from shardweave.fsdp._fsdp_param import FSDPParam
 
-__all__ = ["SubclassAllGather", "SubclassGatherState", "detect_subclass_all_gather"]
+__all__ = [
+    "GatheredParam",
+    "SubclassAllGather",
+    "SubclassGatherState",
+    "detect_subclass_all_gather",
+]
+
+
+class GatheredParam(Protocol):
+    """What the protocol reads of the parameter it gathers; ``FSDPParam`` is one. (Declared
+    here, where it is read: ``_fsdp_param`` imports this module, not the other way round.)"""
+
+    @property
+    def param_fqn(self) -> str: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def orig_size(self) -> torch.Size: ...
+    @property
+    def sharded_size(self) -> torch.Size: ...
+    @property
+    def padded_sharded_size(self) -> torch.Size: ...
+    @property
+    def shard_world_size(self) -> int: ...
+    @property
+    def unsharded_dtype(self) -> torch.dtype: ...
+
+    def shard_mesh(self) -> DeviceMesh: ...
+
+    def sharded_local_tensor(self) -> torch.Tensor: ...
 
 
 @dataclass
@@ -53,7 +83,7 @@ class SubclassAllGather:
     def __init__(self, state: SubclassGatherState) -> None:
         self.state = state
 
-    def inputs(self, param: FSDPParam) -> list[torch.Tensor]:
+    def inputs(self, param: GatheredParam) -> list[torch.Tensor]:
         """The pre-hook's tensors, 1D on the compute device."""
         state = self.state
         mesh = param.shard_mesh()
@@ -79,7 +109,7 @@ class SubclassAllGather:
         state.input_dtypes = [t.dtype for t in inputs]
         return [t.to(param.device).contiguous().view(-1) for t in inputs]
 
-    def alloc_outputs(self, param: FSDPParam) -> list[torch.Tensor]:
+    def alloc_outputs(self, param: GatheredParam) -> list[torch.Tensor]:
         """One 1D buffer per input, storage allocated."""
         state = self.state
         outs = state.outputs
@@ -95,7 +125,7 @@ class SubclassAllGather:
                 alloc_storage(out)
         return outs
 
-    def unsharded(self, param: FSDPParam, current: nn.Parameter | None) -> torch.Tensor | None:
+    def unsharded(self, param: GatheredParam, current: nn.Parameter | None) -> torch.Tensor | None:
         """The post-hook's tensor on the first unshard; later ones refill ``current``."""
         state = self.state
         assert state.outputs is not None
@@ -129,7 +159,7 @@ class SubclassAllGather:
 
 
 def detect_subclass_all_gather(
-    param: FSDPParam, local: torch.Tensor, mp_policy: MixedPrecisionPolicy
+    param: GatheredParam, local: torch.Tensor, mp_policy: MixedPrecisionPolicy
 ) -> SubclassAllGather | None:
     """The protocol for ``param`` whose sharded local tensor is ``local``, if it has one.
 
@@ -161,7 +191,7 @@ def detect_subclass_all_gather(
     return SubclassAllGather(SubclassGatherState(pre, post, arity == 1, mp_policy))
 
 
-def _plugin_hooks(param: FSDPParam, plugin: AllGatherExtension) -> tuple[Any, Any]:
+def _plugin_hooks(param: GatheredParam, plugin: AllGatherExtension) -> tuple[Any, Any]:
     """An ``AllGatherExtension`` as torch's one-argument ``fsdp_pre_all_gather`` and its
     ``fsdp_post_all_gather`` (which refills ``out`` in place from the second unshard on)."""
 

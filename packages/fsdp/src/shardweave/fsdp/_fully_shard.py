@@ -7,45 +7,21 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, Protocol, cast, overload
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardweave.fsdp import _fault, _fsdp_init, _watchdog
-from shardweave.fsdp._fsdp_api import (
-    AllGather,
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    ReduceScatter,
-    as_own_policies,
-    torch_policy_types,
-)
-from shardweave.fsdp._fsdp_init import (
-    managed_modules,
-    managed_params_and_buffers,
-    module_arguments,
-    move_states_to_device,
-    post_forward_mesh_info,
-    resolve_shard_placements,
-    validate_ignored_params,
-    validate_reshard_after_forward,
-    validate_shard_placement_fn,
-)
+from shardweave.fsdp import _fault, _watchdog
+from shardweave.fsdp._fsdp_api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
+from shardweave.fsdp._fsdp_args import fully_shard_arguments
+from shardweave.fsdp._fsdp_init import init_fully_shard, post_forward_mesh_info
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
-from shardweave.fsdp._torch_interop import expose_state_to_torch, torch_marker_bases
-from shardweave.mesh import (
-    DataParallelMeshDims,
-    DataParallelMeshInfo,
-    FSDPMeshInfo,
-    default_mesh,
-    mesh_device,
-    resolve_mesh_info,
-)
+from shardweave.fsdp._torch_interop import ManagedModule
+from shardweave.mesh import DataParallelMeshDims, FSDPMeshInfo
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Shard
@@ -158,86 +134,17 @@ def _fully_shard(
         shapes, dtypes, policies) and raises ``FSDPConsistencyError`` naming the first
         difference instead of hanging in a mismatched collective.
     """
-    api = "fully_shard"
-    modules = module_arguments(module, api)
-    for m in modules:
-        existing = get_fsdp_state(m)
-        if existing is not None and existing.api_name == api:
-            # starts with torch 2.13's sentence (its `contract` raises it), which users match on
-            raise AssertionError(
-                "Each distinct composable distributed API can only be applied to a module once. "
-                f"{api} has already been applied to {type(m).__name__}: remove the second call "
-                "(change settings with the FSDPModule setters instead)"
-            )
-        if existing is not None:
-            raise AssertionError(
-                f"{api} was already applied to {type(m).__name__} (by {existing.api_name}); "
-                "each distinct composable distributed API can only be applied to a module once: "
-                "remove the second call (change settings with the FSDPModule setters instead)"
-            )
-    mp_policy, offload_policy = resolve_policies(mp_policy, offload_policy, api)
-    validate_shard_placement_fn(shard_placement_fn, api)
-    validate_ignored_params(ignored_params, api)
-    if reshard_after_forward is not None:
-        # before the default mesh is built, which may initialize the process group
-        validate_reshard_after_forward(reshard_after_forward)
-    mesh = mesh if mesh is not None else default_mesh()
-    if dp_mesh_dims is not None and not isinstance(reshard_after_forward, (bool, type(None))):
-        raise NotImplementedError(
-            f"{api}: an int reshard_after_forward is not supported with dp_mesh_dims; "
-            "pass True or False"
-        )
-    mesh_info = resolve_mesh_info(mesh, dp_mesh_dims, api=api)
-    if not isinstance(mesh_info, FSDPMeshInfo) and shard_placement_fn is not None:
-        raise ValueError(
-            f"{api}: shard_placement_fn needs a shard dim, but dp_mesh_dims={dp_mesh_dims} "
-            "names only replicate dims; add a shard dim or drop shard_placement_fn"
-        )
-    device = mesh_device(mesh)
-    auto_reshard = reshard_after_forward is None
-    # Replicate-only dp_mesh_dims: nothing is sharded, so nothing reshards after forward.
-    post_info = (
-        post_forward_mesh_info(
-            True if reshard_after_forward is None else reshard_after_forward, mesh_info
-        )
-        if isinstance(mesh_info, FSDPMeshInfo)
-        else None
-    )
-
-    def make_groups(
-        params: list[nn.Parameter], roots: tuple[nn.Module, ...]
-    ) -> list[FSDPParamGroup]:
-        placements: list[tuple[Any, DataParallelMeshInfo]] = [(None, mesh_info)] * len(params)
-        if isinstance(mesh_info, FSDPMeshInfo):
-            placements = list(resolve_shard_placements(params, shard_placement_fn, mesh_info))
-        return build_groups(
-            params,
-            placements=placements,
-            roots=roots,
-            mesh_info=mesh_info,
-            post_forward_mesh_info=post_info,
-            reshard_after_forward=reshard_after_forward,
-            device=device,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-        )
-
-    attach_engine(
-        modules,
+    args = fully_shard_arguments(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
         ignored_params=ignored_params,
-        device=device,
-        make_state=lambda roots: FSDPState(
-            roots,
-            device=device,
-            mp_policy=mp_policy,
-            mesh_info=mesh_info,
-            auto_reshard_after_forward=auto_reshard,
-        ),
-        make_groups=make_groups,
-        module_cls=FSDPModule,
-        class_prefix="FSDP",
-        mark_managed=True,
+        dp_mesh_dims=dp_mesh_dims,
     )
+    init_fully_shard(args, module_cls=FSDPModule)
     if isinstance(module, nn.Module):
         return cast(FSDPModule, module)
     return module
@@ -261,184 +168,6 @@ def with_state(fn: Callable[..., object], api: str) -> object:
 
 
 fully_shard: Final[FullyShardFn] = cast(FullyShardFn, with_state(_fully_shard, "fully_shard"))
-
-
-def attach_engine(
-    modules: tuple[nn.Module, ...],
-    *,
-    ignored_params: set[nn.Parameter] | None,
-    device: torch.device,
-    make_state: Callable[[tuple[nn.Module, ...]], FSDPState],
-    make_groups: Callable[[list[nn.Parameter], tuple[nn.Module, ...]], list[FSDPParamGroup]],
-    module_cls: type,
-    class_prefix: str,
-    mark_managed: bool,
-) -> None:
-    """What ``fully_shard`` and ``replicate`` share once their arguments are checked.
-
-    Collects the parameters and buffers of ``modules`` that no inner call manages (less the
-    ignored ones), moves them to ``device``, attaches ``make_state(roots)`` with
-    ``make_groups(params, roots)`` (detached again if building a group fails, so a failed call
-    leaves the modules as they were) and swaps each root's class to
-    ``<class_prefix><its class>``, which also derives from ``module_cls``. ``mark_managed`` sets
-    the two attributes torch's ``fully_shard`` puts on managed modules (its ``replicate`` does
-    not). Published as ``shardweave.fsdp.engine.attach_engine``: its signature is under that
-    module's promise.
-    """
-    ignored = set(ignored_params or ())
-    roots = root_modules(modules)
-    managed = managed_modules(roots, ignored)
-    params, buffers = managed_params_and_buffers(managed, ignored)
-    move_states_to_device(params, buffers, device)
-    state = make_state(roots)
-    try:
-        state._fsdp_param_groups = make_groups(params, roots)
-    except BaseException:
-        state.detach()
-        raise
-    if mark_managed:
-        for m in managed:
-            m._is_fsdp_managed_module = True  # type: ignore[assignment]
-            m._fsdp_use_orig_params = True  # type: ignore[assignment]
-    for root in roots:
-        expose_state_to_torch(root, state)
-        swap_class(root, module_cls, class_prefix)
-
-
-def resolve_policies(
-    mp_policy: object, offload_policy: object, api: str = "fully_shard"
-) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
-    """Our policy objects for ``mp_policy`` and ``offload_policy``: ours as they are, torch's
-    (``torch.distributed.fsdp``) converted field by field; anything else raises TypeError."""
-    mp_policy, offload_policy = as_own_policies(mp_policy, offload_policy)
-    torch_types = torch_policy_types() or ()
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        mp_classes = (MixedPrecisionPolicy, *torch_types[:1])
-        if isinstance(mp_policy, type) and issubclass(mp_policy, mp_classes):
-            fix = "instantiate it: mp_policy=MixedPrecisionPolicy(param_dtype=...)"
-        elif isinstance(mp_policy, torch.dtype):
-            fix = f"pass mp_policy=MixedPrecisionPolicy(param_dtype={mp_policy})"
-        else:
-            fix = "pass mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)"
-        raise TypeError(
-            f"{api}: mp_policy must be a MixedPrecisionPolicy instance (shardweave.fsdp's or "
-            f"torch.distributed.fsdp's), got {type(mp_policy).__name__} {mp_policy!r:.80}; {fix}"
-        )
-    if not isinstance(offload_policy, OffloadPolicy):
-        offload_classes = (OffloadPolicy, *torch_types[1:2])
-        if isinstance(offload_policy, type) and issubclass(offload_policy, offload_classes):
-            fix = f"instantiate it: offload_policy={offload_policy.__name__}()"
-        else:
-            fix = "pass offload_policy=CPUOffloadPolicy() to offload, or omit it"
-        raise TypeError(
-            f"{api}: offload_policy must be an OffloadPolicy instance (shardweave.fsdp's or "
-            f"torch.distributed.fsdp's), got {type(offload_policy).__name__} "
-            f"{offload_policy!r:.80}; {fix}"
-        )
-    if (
-        isinstance(offload_policy, CPUOffloadPolicy)
-        and offload_policy.pin_memory
-        and not torch.accelerator.is_available()
-    ):
-        # Pinning allocates page-locked memory through the accelerator's runtime.
-        raise RuntimeError(
-            f"{api}: offload_policy=CPUOffloadPolicy() pins memory (pin_memory=True by "
-            "default), which needs an accelerator, and none is available; pass "
-            "offload_policy=CPUOffloadPolicy(pin_memory=False)"
-        )
-    return mp_policy, offload_policy
-
-
-def root_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
-    """The listed modules that are not inside another listed module."""
-    roots: list[nn.Module] = []
-    for m in modules:
-        inside = any(other is not m and m in set(other.modules()) for other in modules)
-        if not inside and m not in roots:
-            roots.append(m)
-    return tuple(roots)
-
-
-def build_groups(
-    params: list[nn.Parameter],
-    *,
-    placements: list[tuple[Any, DataParallelMeshInfo]],
-    roots: tuple[nn.Module, ...],
-    mesh_info: DataParallelMeshInfo,
-    post_forward_mesh_info: FSDPMeshInfo | None,
-    reshard_after_forward: bool | int | None,
-    device: torch.device,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-) -> list[FSDPParamGroup]:
-    """The parameter groups of one call: one per distinct mesh among ``placements`` (each
-    parameter's ``(Shard placement or None, mesh info)``, in ``params`` order), since
-    ``shard_placement_fn`` may move parameters to another mesh.
-
-    ``post_forward_mesh_info`` is where ``mesh_info``'s parameters reshard to after forward
-    (None: fully); ``reshard_after_forward`` derives it for the other meshes. Published as
-    ``shardweave.fsdp.engine.build_groups``: its signature is under that module's promise.
-    """
-    if not params:
-        return []
-    by_key: dict[tuple[Any, Any], tuple[DataParallelMeshInfo, list[int]]] = {}
-    for i, (_, info) in enumerate(placements):
-        shard = getattr(info, "shard_process_group", None)
-        replicate = getattr(info, "replicate_process_group", None)
-        key = (shard, replicate)
-        entry = by_key.setdefault(key, (info, []))
-        if entry[0] is not info:
-            raise ValueError(
-                "shard_placement_fn returned different FSDPMeshInfo objects for the same process "
-                "groups; reuse one FSDPMeshInfo per mesh"
-            )
-        entry[1].append(i)
-    groups: list[FSDPParamGroup] = []
-    for info, indices in by_key.values():
-        group_post = (
-            post_forward_mesh_info
-            if info is mesh_info or not isinstance(info, FSDPMeshInfo)
-            # the module's function: the argument of the same name shadows it here
-            else _fsdp_init.post_forward_mesh_info(
-                True if reshard_after_forward is None else reshard_after_forward, info
-            )
-        )
-        groups.append(
-            FSDPParamGroup(
-                [params[i] for i in indices],
-                roots,
-                info,
-                group_post,
-                device,
-                [placements[i][0] for i in indices],
-                mp_policy,
-                offload_policy,
-            )
-        )
-    return groups
-
-
-_CLASS_CACHE: dict[tuple[type, type], type] = {}
-
-
-def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
-    raise AssertionError(
-        "FSDP does not support deepcopy of a sharded module; deepcopy the model before "
-        "fully_shard, or use its state_dict"
-    )
-
-
-def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
-    """Make ``module`` an instance of ``FSDP<Its class>``: ``mixin`` first, so its methods win,
-    then torch's ``FSDPModule`` as a marker (see _torch_interop), then the module's own class."""
-    cls = type(module)
-    key = (cls, mixin)
-    new_cls = _CLASS_CACHE.get(key)
-    if new_cls is None:
-        bases = (mixin, *torch_marker_bases(), cls)
-        new_cls = type(f"{prefix}{cls.__name__}", bases, {"__deepcopy__": _no_deepcopy})
-        _CLASS_CACHE[key] = new_cls
-    module.__class__ = new_cls
 
 
 class UnshardHandle:
@@ -468,7 +197,7 @@ class UnshardHandle:
         self._groups = None
 
 
-class FSDPModule:
+class FSDPModule(ManagedModule):
     """Mixed into every module ``fully_shard`` was applied to (placed first in its MRO; torch's
     public ``FSDPModule`` follows as a marker, so torch's and frameworks' ``isinstance`` checks
     hold and every method they reach is one of these).

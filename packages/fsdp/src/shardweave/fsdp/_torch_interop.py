@@ -29,7 +29,20 @@ from torch import nn
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_state import FSDPState
 
-__all__ = ["TorchStateSlot", "expose_state_to_torch", "managed_by_torch", "torch_marker_bases"]
+__all__ = [
+    "ManagedModule",
+    "TorchStateSlot",
+    "expose_state_to_torch",
+    "managed_by_torch",
+    "torch_marker_bases",
+]
+
+
+class ManagedModule:
+    """The base of every mixin shardweave puts on the modules it manages (``FSDPModule``, and
+    so ``ReplicateModule``): how this module tells our classes from torch's without importing
+    the API that defines them."""
+
 
 # torch's composable APIs, by (module, name) of the function its ``contract`` returns, and the
 # shardweave APIs whose state each one's ``.state(module)`` returns. torch's ``fully_shard`` answers
@@ -55,9 +68,7 @@ def torch_marker_bases() -> tuple[type, ...]:
         from torch.distributed.fsdp import FSDPModule as marker  # noqa: TID251 (the marker only)
     except ImportError:
         return ()
-    from shardweave.fsdp._fully_shard import FSDPModule
-
-    if not isinstance(marker, type) or issubclass(marker, FSDPModule):
+    if not isinstance(marker, type) or issubclass(marker, ManagedModule):
         return ()
     return (marker,)
 
@@ -68,9 +79,7 @@ def managed_by_torch(module: nn.Module) -> bool:
     Imports nothing: when torch's FSDP was never loaded, no module can be one of its."""
     if "torch.distributed.fsdp" not in sys.modules or not torch_marker_bases():
         return False
-    from shardweave.fsdp._fully_shard import FSDPModule
-
-    return isinstance(module, torch_marker_bases()[0]) and not isinstance(module, FSDPModule)
+    return isinstance(module, torch_marker_bases()[0]) and not isinstance(module, ManagedModule)
 
 
 class TorchStateSlot(dict[Any, Any]):

@@ -6,7 +6,6 @@ extension points; plugins (``shardweave-extensions``, or your own package) imple
 
 from shardweave.mesh._dims import (
     ArgumentTypeError,
-    DataParallelMeshDims,
     MeshValidationError,
     check_mesh_argument,
     default_mesh,
@@ -14,6 +13,7 @@ from shardweave.mesh._dims import (
     resolve_mesh_info,
 )
 from shardweave.mesh._mesh_info import (
+    DataParallelMeshDims,
     DataParallelMeshInfo,
     DDPMeshInfo,
     FSDPMeshInfo,

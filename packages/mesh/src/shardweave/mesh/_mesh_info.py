@@ -1,4 +1,5 @@
-"""Which mesh dims a data-parallel engine shards and replicates over, with their process groups.
+"""Which mesh dims a data-parallel engine shards and replicates over, with their process groups,
+and ``DataParallelMeshDims``, the names of those dims in a full SPMD mesh.
 
 Design note: mesh info vocabulary
     *shard* dim: parameters are split across its ranks (FSDP); gradients are reduce-scattered
@@ -21,9 +22,71 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from shardweave.mesh._dims import DataParallelMeshDims
+__all__ = [
+    "DDPMeshInfo",
+    "DataParallelMeshDims",
+    "DataParallelMeshInfo",
+    "FSDPMeshInfo",
+    "HSDPMeshInfo",
+]
 
-__all__ = ["DDPMeshInfo", "DataParallelMeshInfo", "FSDPMeshInfo", "HSDPMeshInfo"]
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Names the data-parallel dims of a full SPMD mesh whose parameters are already DTensors.
+
+    Args:
+        shard: mesh dim name(s) that parameters are sharded over; several names are flattened
+            into one shard dim (one process group over their product).
+        replicate: mesh dim name(s) that parameters are replicated over (HSDP's outer dim, or
+            DDP when ``shard`` is None); several names are flattened likewise.
+
+    At least one must be set. Example::
+
+        mesh = init_device_mesh("cuda", (2, 4, 8), mesh_dim_names=("dp_rep", "dp_shard", "tp"))
+        DataParallelMeshDims(shard="dp_shard", replicate="dp_rep")
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "DataParallelMeshDims: set at least one of shard= or replicate= "
+                "(e.g. DataParallelMeshDims(shard='dp'))"
+            )
+        for role in ("shard", "replicate"):
+            value = getattr(self, role)
+            if value is None or isinstance(value, str):
+                continue
+            if not isinstance(value, (tuple, list)) or not all(isinstance(n, str) for n in value):
+                raise TypeError(
+                    f"DataParallelMeshDims: {role}= takes a mesh dim name (str) or a tuple of "
+                    f"names, got {value!r}; use the names from the mesh's mesh_dim_names, e.g. "
+                    f"DataParallelMeshDims({role}='dp')"
+                )
+            if not value:
+                raise ValueError(
+                    f"DataParallelMeshDims: {role}=() names no dim; give at least one mesh dim "
+                    f"name, or leave {role}=None"
+                )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
 
 
 @dataclass

@@ -7,8 +7,9 @@ import types
 from typing import Any
 
 from shardweave.fsdp.plan._model import PlanError
-from shardweave.fsdp.plan._plan import ActivationPlan, GroupPlan, ParamPlan, Plan, plan
+from shardweave.fsdp.plan._plan import plan
 from shardweave.fsdp.plan._report import format_table
+from shardweave.fsdp.plan._result import ActivationPlan, GroupPlan, ParamPlan, Plan
 from shardweave.fsdp.plan._schedule import TimelineRecord
 
 __all__ = [

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Final
 from shardweave.fsdp.plan._model import ROOT_KEY, GroupSpec
 
 if TYPE_CHECKING:
-    from shardweave.fsdp.plan._plan import GroupPlan, Plan
+    from shardweave.fsdp.plan._result import GroupPlan, Plan
 
 __all__ = ["format_bytes", "format_table", "suggestions"]
 
