@@ -441,7 +441,7 @@ def _own_imports(
         ):
             target = _resolve(node.args[0].value, modules)
             if target is not None:
-                yield node.lineno, target, "function" if kind == "module" else kind
+                yield node.lineno, target, kind
         for child in ast.iter_child_nodes(node):
             yield from visit(child, kind)
 
@@ -671,16 +671,16 @@ def _check_tables(
             continue  # reported as unlisted
         if order[dst_unit] < order[src_unit]:
             continue
-        how = {
-            "module": "imports",
-            "TYPE_CHECKING": "imports under TYPE_CHECKING (type-only imports count too)",
-            "function": "imports inside a function (a runtime import hides the cycle, it "
-            "does not remove it)",
+        where = {
+            "module": "",
+            "TYPE_CHECKING": " under TYPE_CHECKING (type-only imports count too)",
+            "function": " inside a function (a runtime import hides a cycle, it does not "
+            "remove it)",
         }[edge.kind]
         problems.append(
-            f"{edge.path}:{edge.line}: {edge.importer} {how} {edge.imported}, which is not "
-            f"above `{src_unit}` in the module table of {package} (docs/architecture.md); "
-            "move what it needs into a lower module, or pass it in"
+            f"{edge.path}:{edge.line}: {edge.importer} imports {edge.imported}{where}, which "
+            f"is not above `{src_unit}` in the module table of {package} "
+            "(docs/architecture.md); move what it needs into a lower module, or pass it in"
         )
     return problems
 
