@@ -2,8 +2,7 @@
 
 ``fully_shard_arguments`` runs every check of the call (the module argument, a second
 application, the policies, ``shard_placement_fn``, ``ignored_params``,
-``reshard_after_forward``, the mesh and ``dp_mesh_dims``) in the order torch's ``fully_shard``
-reports them, and returns what assembly (``_fsdp_init``) needs as one ``FullyShardArgs``. The
+``reshard_after_forward``, the mesh and ``dp_mesh_dims``) in one pass, and returns what assembly (``_fsdp_init``) needs as one ``FullyShardArgs``. The
 checks are also published one by one (``shardweave.fsdp.engine``) for APIs built on the engine,
 as ``replicate``. Nothing here builds a group, attaches a state or swaps a class.
 """
@@ -79,7 +78,8 @@ def fully_shard_arguments(
     dp_mesh_dims: DataParallelMeshDims | None,
     api: str = "fully_shard",
 ) -> FullyShardArgs:
-    """Every check of one ``fully_shard`` call, in torch's order; raises the first failure."""
+    """Every check of one ``fully_shard`` call, in the order they have always run (the first
+    failure raises); what comes back is all assembly needs."""
     modules = module_arguments(module, api)
     check_not_applied(modules, api)
     mp, offload = resolve_policies(mp_policy, offload_policy, api)
