@@ -2,9 +2,10 @@
 
 ``fully_shard_arguments`` runs every check of the call (the module argument, a second
 application, the policies, ``shard_placement_fn``, ``ignored_params``,
-``reshard_after_forward``, the mesh and ``dp_mesh_dims``) in one pass, and returns what assembly (``_fsdp_init``) needs as one ``FullyShardArgs``. The
-checks are also published one by one (``shardweave.fsdp.engine``) for APIs built on the engine,
-as ``replicate``. Nothing here builds a group, attaches a state or swaps a class.
+``reshard_after_forward``, the mesh and ``dp_mesh_dims``) in one pass, and returns what
+assembly (``_fsdp_init``) needs as one ``FullyShardArgs``. The checks are also published one by
+one (``shardweave.fsdp.engine``) for APIs built on the engine, as ``replicate``. Nothing here
+builds a group, attaches a state or swaps a class.
 """
 
 from __future__ import annotations
