@@ -81,7 +81,7 @@ def own_api_trains(rank: int, world: int) -> dict[str, Any]:
     return {
         "class": type(model).__name__,
         "is_fsdp_module": isinstance(model, FSDPModule),
-        "state": type(state).__name__,
+        "state": (type(state).__name__, state.api.name if state is not None else None),
         "grads_equal": grads_equal,
     }
 
@@ -91,6 +91,6 @@ def test_an_api_built_on_the_engine_trains(world1: WorkerPool) -> None:
     assert result == {
         "class": "MySequential",
         "is_fsdp_module": True,
-        "state": "MyState",
+        "state": ("FSDPState", "my_api"),
         "grads_equal": True,
     }

@@ -200,16 +200,18 @@ def test_replicate_misuse_raises_like_torch(world2: WorkerPool) -> None:
 def composable_state(rank: int, world: int) -> None:
     from torch.distributed._composable.replicate_with_fsdp import _ReplicateState
 
-    from shardweave.replicate._replicate import ReplicateState
+    def is_replicate_state(state: object) -> bool:  # ours: the engine state, described
+        return getattr(getattr(state, "api", None), "name", None) == "replicate"
 
-    for rep, fs, state_type in (
-        (torch_replicate, torch_fully_shard, _ReplicateState),
-        (replicate, fully_shard, ReplicateState),
+    for rep, fs, is_state in (
+        (torch_replicate, torch_fully_shard, lambda st: isinstance(st, _ReplicateState)),
+        (replicate, fully_shard, is_replicate_state),
     ):
         r, s, plain = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
         rep(r)
         fs(s)
-        assert isinstance(rep.state(r), state_type), rep  # type: ignore[attr-defined]
+        assert is_state(rep.state(r)), rep  # type: ignore[attr-defined]
+        assert not is_state(fs.state(s)), fs  # type: ignore[attr-defined]
         assert rep.state(s) is None and rep.state(plain) is None, rep  # type: ignore[attr-defined]
         assert fs.state(r) is None and fs.state(plain) is None, fs  # type: ignore[attr-defined]
         assert fs.state(s) is not None, fs  # type: ignore[attr-defined]

@@ -124,7 +124,7 @@ def check_not_applied(modules: tuple[nn.Module, ...], api: str) -> None:
     """Refuse a module that ``api`` (or another API on this engine) already manages."""
     for m in modules:
         existing = get_fsdp_state(m)
-        if existing is not None and existing.api_name == api:
+        if existing is not None and existing.api.name == api:
             # starts with torch 2.13's sentence (its `contract` raises it), which users match on
             raise AssertionError(
                 "Each distinct composable distributed API can only be applied to a module once. "
@@ -133,7 +133,7 @@ def check_not_applied(modules: tuple[nn.Module, ...], api: str) -> None:
             )
         if existing is not None:
             raise AssertionError(
-                f"{api} was already applied to {type(m).__name__} (by {existing.api_name}); "
+                f"{api} was already applied to {type(m).__name__} (by {existing.api.name}); "
                 "each distinct composable distributed API can only be applied to a module once: "
                 "remove the second call (change settings with the FSDPModule setters instead)"
             )

@@ -6,7 +6,8 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
     from shardweave.mesh import DataParallelMeshInfo
 
-__all__ = ["FSDPState", "FSDPStateContext", "get_fsdp_state"]
+__all__ = ["FULLY_SHARD_API", "EngineAPI", "FSDPState", "FSDPStateContext", "get_fsdp_state"]
 
 # Where a module's state lives. A weak map, so sharding a module never keeps it alive.
 _STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
@@ -39,6 +40,27 @@ _STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictio
 
 def get_fsdp_state(module: nn.Module) -> FSDPState | None:
     return _STATES.get(module)
+
+
+@dataclass(frozen=True)
+class EngineAPI:
+    """What an API built on the engine says about itself; the engine's only per-API facts.
+
+    ``fully_shard`` and ``replicate`` differ here and in their arguments, nowhere in the
+    engine: a sibling package attaches the engine with its own description instead of
+    subclassing ``FSDPState``.
+    """
+
+    name: str  # the API's function name, in every error message
+    # torch's name for this kind of state in its root-check messages; users' and torch's own
+    # tests match on those sentences, so ours start with them.
+    torch_state_name: str
+    # The APIs whose states a root of this API adopts (a replicate root adopts only replicate
+    # states; a fully_shard root adopts both, as torch's does).
+    adopts: frozenset[str]
+
+
+FULLY_SHARD_API: Final = EngineAPI("fully_shard", "FSDP", frozenset({"fully_shard", "replicate"}))
 
 
 class FSDPStateContext:
@@ -56,12 +78,7 @@ class FSDPStateContext:
 
 
 class FSDPState:
-    """Hooks and root logic for the module(s) of one ``fully_shard`` call."""
-
-    api_name = "fully_shard"
-    # torch's name for this kind of state in its root-check messages; users' and torch's own
-    # tests match on those sentences, so ours start with them.
-    torch_state_name = "FSDP"
+    """Hooks and root logic for the module(s) of one ``fully_shard`` (or ``api``) call."""
 
     def __init__(
         self,
@@ -71,7 +88,9 @@ class FSDPState:
         mp_policy: MixedPrecisionPolicy,
         mesh_info: DataParallelMeshInfo,
         auto_reshard_after_forward: bool = False,
+        api: EngineAPI = FULLY_SHARD_API,
     ) -> None:
+        self.api = api
         self._modules = modules
         self._device = device
         self._mp_policy = mp_policy
@@ -91,8 +110,8 @@ class FSDPState:
         for module in modules:
             if module in _STATES:
                 raise AssertionError(
-                    f"{self.api_name}: {type(module).__name__} is already managed by "
-                    f"{_STATES[module].api_name}; each distinct composable distributed API "
+                    f"{api.name}: {type(module).__name__} is already managed by "
+                    f"{_STATES[module].api.name}; each distinct composable distributed API "
                     "can only be applied to a module once"
                 )
         for module in modules:
@@ -182,9 +201,9 @@ class FSDPState:
         if len(self._modules) > 1:
             kinds = ", ".join(type(m).__name__ for m in self._modules)
             raise RuntimeError(
-                f"{self.torch_state_name} requires a single root module but got "
+                f"{self.api.torch_state_name} requires a single root module but got "
                 f"{len(self._modules)} modules ({kinds}); call forward through a module that "
-                f"contains them all (and apply {self.api_name} to it) first"
+                f"contains them all (and apply {self.api.name} to it) first"
             )
         self._is_root = True
         root = self._modules[0]
@@ -192,17 +211,17 @@ class FSDPState:
         ctx.all_states = []
         for name, module in root.named_modules():
             state = get_fsdp_state(module)
-            if state is None or not isinstance(state, type(self).state_class_for_root()):
+            if state is None or state.api.name not in self.api.adopts:
                 continue
             if state in ctx.all_states:
                 continue
             if state is not self:
                 if state._is_root is not None:
-                    who = self.torch_state_name
+                    who = self.api.torch_state_name
                     raise RuntimeError(
                         f"{who} state has already been lazily initialized for {name}\n"
                         f"{who} requires running forward through the root module first "
-                        f"(the forward of {self.api_name} submodule '{name}' ran before the "
+                        f"(the forward of {self.api.name} submodule '{name}' ran before the "
                         "root's)"
                     )
                 state._is_root = False
@@ -220,10 +239,10 @@ class FSDPState:
                 group.lazy_init()
         groups = [g for s in ctx.all_states for g in s._fsdp_param_groups]
         nonce = check_ranks_agree(
-            describe_groups(groups, repr(self._mp_policy), self.api_name),
+            describe_groups(groups, repr(self._mp_policy), self.api.name),
             self._mesh_info,
             self._device,
-            self.api_name,
+            self.api.name,
         )
         _fault.new_epoch(nonce)
         _watchdog.new_epoch()
@@ -242,11 +261,6 @@ class FSDPState:
 
         # A forward hook, not a pre-hook: this runs inside the pre-hooks' iteration.
         self._hook_handles.append(root.register_forward_hook(run_eagerly(leave), always_call=True))
-
-    @classmethod
-    def state_class_for_root(cls) -> type[FSDPState]:
-        """The states a root of this class adopts (replicate roots adopt only replicate)."""
-        return FSDPState
 
     def _adopt_tied_after_fully_shard(self) -> None:
         """Several FSDPParams whose modules hold one sharded parameter now (tied after
@@ -429,7 +443,7 @@ class FSDPState:
             if tensor._base is not None:
                 names = ", ".join(type(m).__name__ for m in self._modules)
                 warnings.warn(
-                    f"{self.api_name}-wrapped module ({names}) returned a view tensor; an "
+                    f"{self.api.name}-wrapped module ({names}) returned a view tensor; an "
                     "in-place op on it (x += y) drops the pre-backward hook and skips the "
                     "all-gather. Use out-of-place ops or .clone() the output first.",
                     UserWarning,
@@ -505,7 +519,7 @@ class FSDPState:
     def reset_iter_state(self) -> None:
         if self._is_root is False:
             raise RuntimeError(
-                f"reset_iter_state must be called on the root {self.api_name} module"
+                f"reset_iter_state must be called on the root {self.api.name} module"
             )
         ctx = self._state_ctx
         states: Sequence[FSDPState] = ctx.all_states or [self]

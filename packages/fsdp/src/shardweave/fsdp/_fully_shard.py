@@ -157,7 +157,7 @@ def with_state(fn: Callable[..., object], api: str) -> object:
 
     def state(module: nn.Module | FSDPModule) -> FSDPState | None:
         found = get_fsdp_state(cast(nn.Module, module))
-        return found if found is not None and found.api_name == api else None
+        return found if found is not None and found.api.name == api else None
 
     state.__qualname__ = f"{api}.state"
     state.__doc__ = f"The state ``{api}`` attached to ``module``, or None."

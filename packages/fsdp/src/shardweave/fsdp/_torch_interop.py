@@ -100,7 +100,7 @@ class TorchStateSlot(dict[Any, Any]):
         if found is not _MISSING:
             return found
         api = (getattr(key, "__module__", None), getattr(key, "__name__", None))
-        if self._state.api_name in _TORCH_APIS.get(api, ()):  # type: ignore[arg-type]
+        if self._state.api.name in _TORCH_APIS.get(api, ()):  # type: ignore[arg-type]
             return self._state
         return default
 

@@ -4,8 +4,10 @@ engine calls, as ``shardweave.replicate`` builds ``replicate``.
 Such an API checks its arguments with the validators below, resolves its mesh to a mesh info
 (:mod:`shardweave.mesh`), then hands the engine a state factory and a group factory through
 :func:`attach_engine`, which collects the managed parameters, builds the groups, attaches the
-state and swaps the module classes. ``FSDPState`` is the state to subclass (``api_name`` names
-the API in every error; ``state_class_for_root`` says which states a root of this API adopts).
+state and swaps the module classes. The state is an ``FSDPState`` given the API's
+``EngineAPI`` description: its name (in every error), torch's name for its state (in the
+root-check messages users match on) and the APIs whose states a root of it adopts. Nothing
+subclasses ``FSDPState``.
 
 Stability: everything here is keyword-only past the first argument, and follows the versioning
 promise of the framework guide ("Versioning between the four packages"): a patch release
@@ -22,8 +24,7 @@ written)::
     from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, engine
     from shardweave.mesh import DDPMeshInfo, default_mesh, mesh_device
 
-    class MyState(engine.FSDPState):
-        api_name = "my_api"
+    MY_API = engine.EngineAPI("my_api", torch_state_name="MyAPI", adopts=frozenset({"my_api"}))
 
     class MyModule(FSDPModule):  # mixed into every module my_api is applied to
         pass
@@ -38,9 +39,8 @@ written)::
         engine.attach_engine(
             modules, ignored_params=None, device=device, module_cls=MyModule,
             class_prefix="My", mark_managed=False,
-            make_state=lambda roots: MyState(
-                roots, device=device, mp_policy=mp, mesh_info=info,
-                auto_reshard_after_forward=False,
+            make_state=lambda roots: engine.FSDPState(
+                roots, device=device, mp_policy=mp, mesh_info=info, api=MY_API
             ),
             make_groups=lambda params, roots: engine.build_groups(
                 params, placements=[(None, info)] * len(params), roots=roots,
@@ -61,7 +61,7 @@ from torch import nn
 from shardweave.fsdp import _fsdp_args, _fully_shard
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
 from shardweave.fsdp._fsdp_init import attach_engine, build_groups
-from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
+from shardweave.fsdp._fsdp_state import FULLY_SHARD_API, EngineAPI, FSDPState, get_fsdp_state
 
 if TYPE_CHECKING:
     # Typing-only aliases (ours or torch's policy class), for signatures like fully_shard's:
@@ -70,6 +70,8 @@ if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import AnyOffloadPolicy as AnyOffloadPolicy
 
 __all__ = [
+    "FULLY_SHARD_API",
+    "EngineAPI",
     "FSDPState",
     "attach_engine",
     "build_groups",

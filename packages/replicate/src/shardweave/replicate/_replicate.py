@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from shardweave.fsdp.engine import (
+    EngineAPI,
     FSDPState,
     attach_engine,
     build_groups,
@@ -42,16 +43,11 @@ if TYPE_CHECKING:
 __all__ = ["ReplicateModule", "replicate"]
 
 
-class ReplicateState(FSDPState):
-    """The FSDP state of a ``replicate`` call; a replicate root adopts only replicate states
-    (a ``fully_shard`` root adopts both)."""
-
-    api_name = "replicate"
-    torch_state_name = "Replicate"
-
-    @classmethod
-    def state_class_for_root(cls) -> type[FSDPState]:
-        return ReplicateState
+# How replicate describes itself to the engine: its states carry this; a replicate root adopts
+# only replicate states (a fully_shard root adopts both, as torch's does).
+REPLICATE_API: Final = EngineAPI(
+    "replicate", torch_state_name="Replicate", adopts=frozenset({"replicate"})
+)
 
 
 class ReplicateModule(FSDPModule):
@@ -101,8 +97,8 @@ class ReplicateFn(Protocol):
         dp_mesh_dims: DataParallelMeshDims | None = ...,
     ) -> list[nn.Module]: ...
 
-    def state(self, module: nn.Module | FSDPModule) -> ReplicateState | None:
-        """The ``ReplicateState`` that ``replicate`` attached to ``module``, or None when
+    def state(self, module: nn.Module | FSDPModule) -> FSDPState | None:
+        """The engine state that ``replicate`` attached to ``module``, or None when
         ``replicate`` was not applied to it, as torch's ``replicate.state`` returns."""
         ...
 
@@ -142,7 +138,7 @@ def _replicate(
     modules = module_arguments(module, api=api)
     for m in modules:
         state = get_fsdp_state(m)
-        if state is not None and not isinstance(state, ReplicateState):
+        if state is not None and state.api is not REPLICATE_API:
             raise RuntimeError(
                 "Cannot apply `replicate()` on a Module already managed by `fully_shard` "
                 f"({type(m).__name__}); a module takes one of the two: drop one of the calls, "
@@ -182,8 +178,8 @@ def _replicate(
         ignored_params=ignored_params,
         device=device,
         # replicate never reshards after forward: nothing is sharded
-        make_state=lambda roots: ReplicateState(
-            roots, device=device, mp_policy=mp_policy, mesh_info=mesh_info
+        make_state=lambda roots: FSDPState(
+            roots, device=device, mp_policy=mp_policy, mesh_info=mesh_info, api=REPLICATE_API
         ),
         module_cls=ReplicateModule,
         class_prefix="Replicate",
