@@ -65,7 +65,7 @@ WAIT_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     # reduce-scatter's event, so without it the optimizer reads gradients still being cast.
     "optimizer-waits-for-post-reduce": (
         {"mp": True, "reduce_dtype": torch.bfloat16},
-        "FSDPCommContext.finish_reductions",
+        "ReductionSchedule.finish",
         ("aten::_to_copy", "aten::add_"),
     ),
 }

@@ -287,15 +287,16 @@ def seam_completion(rank: int, world: int) -> dict[str, bool]:
     """Through the seam: after ``InFlight.wait`` a stream-ordered collective whose event has not
     completed is still pending (the host only ordered streams); once the event completes it is
     done. On CPU the host's wait finishes it."""
-    from shardweave.fsdp._fsdp_collectives import issue
+    from shardweave.fsdp._fsdp_common import CollectiveKind
     from shardweave.fsdp._fsdp_streams import CommStreams, use_device_module
+    from shardweave.fsdp._seam import issue
 
     seen: dict[str, bool] = {}
     for ordered in (True, False):
         with use_device_module(_FakeDevice(), stream_ordered=ordered):
             streams = CommStreams(torch.device("cpu"))
             in_flight = issue(
-                "all_gather",
+                CollectiveKind.ALL_GATHER,
                 lambda async_op: _DoneWork(),  # type: ignore[arg-type,return-value]
                 group=dist.group.WORLD,  # type: ignore[arg-type]
                 tensor=torch.empty(4),

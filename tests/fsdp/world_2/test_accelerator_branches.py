@@ -65,7 +65,7 @@ MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     # waited for the reduce-scatter.
     "keep-reduce-scatter-input": (
         BF16_REDUCE,
-        "FSDPCommContext._retire_reduce_scatter",
+        "ReductionSchedule._retire_reduce_scatter",
         ("unsafe reuse", "c10d::_reduce_scatter_base_"),
     ),
     # Keep-alive of the all-reduce buffer (point 8): replicate's one-rank reduce-scatter
@@ -73,7 +73,7 @@ MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     # stream waited for the all-reduce.
     "keep-all-reduce-buffer": (
         {"replicate": True, **BF16_REDUCE},
-        "FSDPCommContext._release_all_reduce_buffers",
+        "ReductionSchedule._release_all_reduce_buffers",
         ("unsafe reuse", "c10d::allreduce_"),
     ),
     # Keep-alive of the forward all-gather output (point 3): released when the all-gather

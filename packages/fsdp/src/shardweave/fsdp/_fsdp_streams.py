@@ -73,9 +73,9 @@ Design note: stream ordering
     (int reshard)                                                           streams wait (point 4)
     reduce-scatter input    current      ``GradientReduction.               the current stream
                                          reduce_scatter_input``, in the     waits for the
-                                         comm context's queue               reduce-scatter event
+                                         ``ReductionSchedule``'s queue      reduce-scatter event
                                                                             (point 6)
-    reduce-scatter output   reduce-      ``FSDPCommContext.                 the reduce-scatter
+    reduce-scatter output   reduce-      ``ReductionSchedule.               the reduce-scatter
     used on another stream  scatter      _all_reduce_buffers``              stream waits for the
                                                                             post-reduce event
                                                                             (point 8)
@@ -94,7 +94,7 @@ Design note: stream ordering
     ======================  ===========  =================================  =====================
 
     Collectives are issued as torch's FSDP2 issues them: on stream-ordered devices with
-    ``async_op=False`` inside ``stream(...)`` (``_fsdp_collectives.issue``), so the backend
+    ``async_op=False`` inside ``stream(...)`` (``_seam.issue``), so the backend
     runs them on that stream and the event recorded after them orders every consumer;
     nothing here relies on the backend keeping tensors alive (NCCL's own stashing is an
     implementation detail): the table above does. On CPU (``CommStreams.stream_ordered`` is

@@ -15,23 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from shardweave.fsdp import _trace
-from shardweave.fsdp._fsdp_collectives import (
-    InFlight,
-    collectives_for,
-    gradient_divide_factors,
-    issue,
-)
+from shardweave.fsdp._comm import collectives_for
+from shardweave.fsdp._fsdp_common import CollectiveKind
+from shardweave.fsdp._fsdp_param import FSDPParam
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
-
-if TYPE_CHECKING:
-    from shardweave.fsdp._fsdp_param import FSDPParam
-    from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
+from shardweave.fsdp._reduction import gradient_divide_factors
+from shardweave.fsdp._seam import InFlight, issue
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradBuckets"]
 
@@ -73,7 +67,8 @@ class GradBuckets:
 
     def add(
         self,
-        owner: FSDPParamGroup,
+        name: str,
+        trace_key: str | None,
         params: Sequence[FSDPParam],
         grads: list[torch.Tensor],
         group: dist.ProcessGroup,
@@ -81,16 +76,18 @@ class GradBuckets:
         orig_dtype: torch.dtype,
         streams: CommStreams,
     ) -> None:
-        """Queue ``owner``'s gradients (``grads`` is emptied: the bucket owns them now)."""
+        """Queue the gradients of group ``name`` (``grads`` is emptied: the bucket owns them
+        now); ``trace_key`` is the tracer's key for it, when tracing."""
         self._streams = streams
         key = (group, reduce_dtype)
         bucket = self._open.get(key)
         if bucket is None:
             bucket = self._open[key] = _Bucket(group, reduce_dtype, grads[0].device)
-        entry = _Entry(list(params), list(grads), orig_dtype, owner._fqn)
-        if _trace.ACTIVE is not None:
+        entry = _Entry(list(params), list(grads), orig_dtype, name)
+        if _trace.ACTIVE is not None and trace_key is not None:
             entry.nbytes = sum(g.numel() * g.element_size() for g in grads)
-            entry.trace_key = _trace.ACTIVE.bucket_grads(owner, entry.nbytes)
+            entry.trace_key = trace_key
+            _trace.ACTIVE.bucket_grads(trace_key, entry.nbytes)
         bucket.entries.append(entry)
         bucket.numel += sum(g.numel() for g in grads)
         grads.clear()
@@ -124,7 +121,7 @@ class GradBuckets:
         names = ", ".join(f"'{e.name}'" for e in bucket.entries)
         group = bucket.group
         bucket.in_flight = issue(
-            "all_reduce",
+            CollectiveKind.ALL_REDUCE,
             lambda async_op: collectives_for(device).all_reduce(
                 buffer, group, op=op, async_op=async_op
             ),

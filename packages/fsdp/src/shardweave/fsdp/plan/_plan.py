@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+from shardweave.fsdp._fsdp_common import CollectiveKind
 from shardweave.fsdp.plan._activations import (
     LossFn,
     SampleInput,
@@ -493,16 +494,14 @@ def plan(
     sharded = sum(g.sharded_param_bytes for g in final)
     grads = sum(g.grad_bytes for g in final)
     opt0 = sum(g.optimizer_state_bytes for g in final)
-    comm = {
-        "all_gather": sum(g.all_gather_bytes for g in final),
-        "reduce_scatter": sum(g.reduce_scatter_bytes for g in final),
-        "all_reduce": sum(g.all_reduce_bytes for g in final),
+    # Per kind, from GroupPlan's fields named after it ("<kind>_bytes", "<kind>s_per_step").
+    comm: dict[str, int] = {
+        kind.value: sum(getattr(g, f"{kind.value}_bytes") for g in final) for kind in CollectiveKind
     }
     comm["total"] = sum(comm.values())
     collectives = {
-        "all_gather": sum(g.all_gathers_per_step for g in final),
-        "reduce_scatter": sum(g.reduce_scatters_per_step for g in final),
-        "all_reduce": sum(g.all_reduces_per_step for g in final),
+        kind.value: sum(getattr(g, f"{kind.value}s_per_step") for g in final)
+        for kind in CollectiveKind
     }
     opt_last = sum(g.last_rank_optimizer_state_bytes for g in final)
     host = sharded + grads + opt0 if offload else 0
