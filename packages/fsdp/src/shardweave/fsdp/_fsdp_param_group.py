@@ -52,7 +52,6 @@ from shardweave.fsdp._fsdp_common import (
 )
 from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
-from shardweave.fsdp._grad_buckets import GradBuckets
 from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
 from shardweave.fsdp._seam import InFlight, issue
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
@@ -71,7 +70,6 @@ class FSDPCommContext:
         self.post_forward_order: list[FSDPParamGroup] = []
         # When each gradient reduction is waited and its buffers retired (points 6-8).
         self.reductions = ReductionSchedule()
-        self.grad_buckets = GradBuckets()
         self._streams: CommStreams | None = None
         # Point 3: the last forward all-gather's buffers and its copy-out event.
         self.all_gather_state: tuple[AllGatherResult, Any] | None = None
@@ -106,15 +104,8 @@ class FSDPCommContext:
         if state is not None and self._streams is not None:
             self._streams.all_gather_waits(state[1])
 
-    def finish_reductions(self) -> None:
-        """Point 7, at the end of backward: every gradient reduction lands (see
-        ``ReductionSchedule.finish``)."""
-        self.grad_buckets.finish()
-        self.reductions.finish()
-
     def abandon_reductions(self) -> None:
         """After a failed step: wait out what is in flight and drop it."""
-        self.grad_buckets.clear()
         self.reductions.abandon()
         self.all_gather_state = None
         self.forward_order.clear()
@@ -660,22 +651,10 @@ class FSDPParamGroup:
         # unfroze them since, reduce and keep the grads in their own dtype, as torch does.
         orig_dtype = self._orig_dtype if self._orig_dtype is not None else grads[0].dtype
         streams = self.comm_ctx.streams(self.device)
-        if self._can_bucket():
-            group = self._all_reduce_group
-            assert group is not None
-            self.comm_ctx.grad_buckets.add(
-                self._fqn,
-                self.trace_key if _trace.ACTIVE is not None else None,
-                with_grad,
-                grads,
-                group,
-                self._reduce_dtype or grads[0].dtype,
-                orig_dtype,
-                streams,
-            )
-            return
+        traced_bytes = 0
         if _trace.ACTIVE is not None:
-            _trace.ACTIVE.grads_taken(self.trace_key, grads)
+            traced_bytes = sum(g.numel() * g.element_size() for g in grads)
+            _trace.ACTIVE.grads_taken(self.trace_key, traced_bytes)
         reduction = GradientReduction(
             with_grad,
             grads,
@@ -695,8 +674,9 @@ class FSDPParamGroup:
             group_name=self._fqn,
             trace_key=lambda: self.trace_key,
             on_done=self._set_partial_reduce_output,
+            traced_bytes=traced_bytes,
         )
-        self.comm_ctx.reductions.start(reduction, streams)
+        self.comm_ctx.reductions.submit(reduction, streams, bucketed=self._can_bucket())
 
     def _set_partial_reduce_output(self, partial: torch.Tensor | None) -> None:
         self._partial_reduce_output = partial
@@ -717,7 +697,8 @@ class FSDPParamGroup:
 
     def _can_bucket(self) -> bool:
         """Replicate-only groups with default reduction share gradient buckets (see
-        ``_grad_buckets``); anything customized keeps its own all-reduce."""
+        ``ReductionSchedule.submit``), on every device; anything customized keeps its own
+        all-reduce."""
         return (
             isinstance(self.mesh_info, DDPMeshInfo)
             and not isinstance(self.mesh_info, FSDPMeshInfo)
@@ -727,10 +708,6 @@ class FSDPParamGroup:
             and self.gradient_divide_factor is None
             and not self.force_sum_reduction_for_comms
             and self._all_reduce_hook is None
-            # Where the host waits for collectives (CPU), one all-reduce per group costs a
-            # wait each; on stream-ordered devices they overlap backward on their own stream
-            # (and per-group all-reduces match torch's replicate in time as in values).
-            and not self.comm_ctx.streams(self.device).stream_ordered
         )
 
     def finalize_backward(self) -> None:

@@ -485,7 +485,7 @@ class FSDPState:
         # Only the reductions: the iteration's states stay as they are for the backward through
         # the rest of the model, which runs the final callback.
         try:
-            self._comm_ctx.finish_reductions()
+            self._comm_ctx.reductions.finish()
         finally:
             self._state_ctx.reductions_callback_queued = False
 
@@ -501,7 +501,7 @@ class FSDPState:
                         group.post_backward()
                     group._training_state = TrainingState.IDLE
                 state._training_state = TrainingState.IDLE
-            self._comm_ctx.finish_reductions()
+            self._comm_ctx.reductions.finish()
             if ctx.is_last_backward:
                 for state in ctx.all_states:
                     for group in state._fsdp_param_groups:

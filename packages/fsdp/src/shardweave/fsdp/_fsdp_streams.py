@@ -88,9 +88,9 @@ Design note: stream ordering
     (pinned host memory,    scatter /    comm context's offload events      after it synchronized
     non-blocking copy)      all-reduce                                      every offload event
                                                                             (point 7)
-    replicate bucket        current      ``_Bucket.buffer``                 the end of backward,
-    (CPU only)                                                              after the current
-                                                                            stream waited
+    replicate bucket: its   current /    as the reduce-scatter input and    points 6 and 8: a
+    input and its output    reduce-      output above (a bucket is one      bucket is one
+                            scatter      ``GradientReduction``)             reduction
     ======================  ===========  =================================  =====================
 
     Collectives are issued as torch's FSDP2 issues them: on stream-ordered devices with
@@ -113,8 +113,7 @@ Design note: stream ordering
 
     Branches still taken on one kind of device only (``stream_ordered`` or the device type):
     the host wait on a ``Work`` and the early storage release (CPU; gloo completes on the
-    host), replicate's gradient buckets (CPU: one host wait per bucket instead of per group),
-    ``_fault.wait``'s timed polling and the collective checks' timed waits (CPU; NCCL times
+    host), ``_fault.wait``'s timed polling and the collective checks' timed waits (CPU; NCCL times
     a wait from the issue), the watchdog's abort of the process group (accelerators), the
     stream priorities (CUDA), pinned flat storage and the non-blocking host-to-device /
     device-to-host copies of CPU offload (only when the compute device is not the CPU).

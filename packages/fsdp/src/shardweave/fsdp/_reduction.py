@@ -5,12 +5,27 @@ collective is waited and its buffers retired (``ReductionSchedule``), side by si
 The param group decides *that* its gradients are reduced (at its post-backward); this
 module decides how and when, and the planner (``plan/_schedule``) reads the schedule's
 rules from here. See Design note: stream ordering (``_fsdp_streams``), points 5-8.
+
+Design note: one reduction pipeline, buckets as a variant
+    FSDP, HSDP and replicate, on every device, reduce through ``GradientReduction``: copy-in
+    on the current stream, pre-divide and the reduce-scatter (or, with one shard rank, a copy
+    into the reduce-scatter stream's own block) on the reduce-scatter stream, the all-reduce
+    on its stream, then post-divide, cast and the sharded gradients. Without sharding a
+    group's reduction is a plain all-reduce whose cost on small groups is mostly
+    per-collective latency, so replicate's groups with default reduction are bucketed as DDP
+    does: a bucket is one ``GradientReduction`` over several groups' gradients laid side by
+    side (``absorb``), started once it holds ``FIRST_BUCKET_BYTES`` (then ``BUCKET_BYTES``)
+    or at the end of backward (``ReductionSchedule.submit`` / ``finish``). It has the same
+    divide factors, casts, slices, waits and keep-alives as any reduction; averaging is
+    elementwise, so the numbers are bitwise those of one all-reduce per group (torch's
+    replicate, DDP).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +39,20 @@ from shardweave.fsdp._fsdp_param import FSDPParam
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
 from shardweave.fsdp._seam import InFlight, issue
 
-__all__ = ["GradientReduction", "ReductionSchedule", "gradient_divide_factors"]
+__all__ = [
+    "BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
+    "GradSource",
+    "GradientReduction",
+    "ReductionSchedule",
+    "gradient_divide_factors",
+    "reduce_scatters_to_retire",
+]
+
+# Bucketed reduction (replicate): DDP's defaults. A small first bucket starts communication
+# early, later ones amortize latency (see ReductionSchedule.submit).
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
 
 
 def gradient_divide_factors(
@@ -66,9 +94,31 @@ def _div_(tensor: torch.Tensor, factor: float | None) -> None:
         tensor.div_(factor)
 
 
+@dataclass
+class GradSource:
+    """One group's share of a reduction: its parameters with gradients, the gradients (emptied
+    once copied in), the dtype they are handed back in, and its names."""
+
+    params: list[FSDPParam]
+    grads: list[torch.Tensor]
+    orig_dtype: torch.dtype
+    name: str  # the group's module FQN, for errors and the watchdog
+    trace_key: str | Callable[[], str]  # the tracer's key for the group
+    traced_bytes: int = 0  # unsharded gradient bytes the tracer saw taken (0: not tracing)
+    on_done: Callable[[torch.Tensor | None], None] | None = None
+
+    def key(self) -> str:
+        return self.trace_key if isinstance(self.trace_key, str) else self.trace_key()
+
+
 class GradientReduction:
-    """One group's gradient reduction: copy-in, reduce-scatter, (HSDP) all-reduce, the hook,
-    then the sharded gradients; a resumable sequence that pauses at each collective.
+    """One gradient reduction: copy-in, reduce-scatter, (HSDP) all-reduce, the hook, then the
+    sharded gradients; a resumable sequence that pauses at each collective.
+
+    Usually one group's. A *bucketed* reduction (replicate, see ``ReductionSchedule.submit``)
+    is the same sequence over several groups' gradients laid side by side (``absorb``), with
+    one all-reduce for all of them; averaging is elementwise, so every number is the one a
+    per-group reduction gives.
 
     ``start()`` fills the reduce-scatter input and issues the first collective; each
     ``advance()`` waits for the collective in flight and runs on to the next one (or to the
@@ -98,7 +148,8 @@ class GradientReduction:
         streams: CommStreams,
         group_name: str,
         trace_key: str | Callable[[], str],
-        on_done: Callable[[torch.Tensor | None], None],
+        on_done: Callable[[torch.Tensor | None], None] | None = None,
+        traced_bytes: int = 0,
     ) -> None:
         grad_dtypes = {g.dtype for g in grads}
         if len(grad_dtypes) != 1:
@@ -107,11 +158,14 @@ class GradientReduction:
                 f"FSDP reduce-scatter expects one gradient dtype per group, got {grad_dtypes} "
                 f"for [{names}]"
             )
-        self._params = list(fsdp_params)
-        self._grads = grads
+        self._sources = [
+            GradSource(
+                list(fsdp_params), grads, orig_dtype, group_name, trace_key, traced_bytes, on_done
+            )
+        ]
+        self.numel = sum(g.numel() for g in grads)
         self._rs_group = reduce_scatter_group
         self._rs_comm = reduce_scatter_comm
-        self._orig_dtype = orig_dtype
         self._rdtype = reduce_dtype or grads[0].dtype
         self._device = device
         self._divide_factor = divide_factor
@@ -122,9 +176,6 @@ class GradientReduction:
         self._hook_stream = all_reduce_hook_stream
         self._force_sum = force_sum
         self._streams = streams
-        self._name = group_name
-        self._trace_key = trace_key
-        self._on_done = on_done
         self._steps: Generator[tuple[InFlight, Any], None, torch.Tensor | None] | None = None
         self._waiting: tuple[InFlight, Any] | None = None
         # Kept until the current stream waited for ``reduce_scatter_event`` (point 6).
@@ -144,6 +195,37 @@ class GradientReduction:
     @property
     def reduce_scatter_comm(self) -> ReduceScatter:
         return self._rs_comm
+
+    @property
+    def bucket_key(self) -> tuple[Any, ...]:
+        """What reductions must share to be one bucket: the all-reduce group, the reduce and
+        gradient dtypes, the device."""
+        grad_dtype = self._sources[0].grads[0].dtype
+        return (self._ar_group, self._rdtype, grad_dtype, self._device)
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of the reduced tensor (a bucket is full at ``BUCKET_BYTES``)."""
+        return self.numel * self._rdtype.itemsize
+
+    def absorb(self, other: GradientReduction) -> None:
+        """Lay ``other``'s gradients after this one's (a bucket); neither may have started."""
+        assert self._steps is None and other._steps is None
+        self._sources.extend(other._sources)
+        self.numel += other.numel
+
+    @property
+    def _name(self) -> str:
+        return ",".join(s.name for s in self._sources)
+
+    def _trace_key(self) -> str:
+        return "+".join(s.key() for s in self._sources)
+
+    def _what(self, collective: str) -> str:
+        if len(self._sources) == 1:
+            return f"the {collective} of group '{self._sources[0].name}'"
+        names = ", ".join(f"'{s.name}'" for s in self._sources)
+        return f"the {collective} of groups {names}"
 
     @property
     def in_all_reduce(self) -> bool:
@@ -183,7 +265,9 @@ class GradientReduction:
         except StopIteration as stop:
             self._waiting = None
             self.done = True
-            self._on_done(stop.value)
+            for source in self._sources:
+                if source.on_done is not None:
+                    source.on_done(stop.value)
 
     def _run(self) -> Generator[tuple[InFlight, Any], None, torch.Tensor | None]:
         streams, rdtype = self._streams, self._rdtype
@@ -193,21 +277,26 @@ class GradientReduction:
         pre, post, rs_op, ar_op = gradient_divide_factors(
             world, ar_size, rdtype, self._divide_factor, self._force_sum
         )
+        sources = self._sources
         laid_out = [
             p.grad_for_reduce_scatter(g, world)
-            for p, g in zip(self._params, self._grads, strict=True)
+            for s in sources
+            for p, g in zip(s.params, s.grads, strict=True)
         ]
-        out_numel = sum(p.padded_sharded_numel for p in self._params)
+        out_numel = sum(p.padded_sharded_numel for s in sources for p in s.params)
         current = streams.current()
         rs_input = self._rs_comm.allocate((world * out_numel,), dtype=rdtype, device=self._device)
         # One kernel, on the current stream (where the gradients were computed): chunk every
         # grad into `world` dim-0 pieces (zero padded), cast, and lay rank i's pieces side by
         # side in row i.
         torch._chunk_cat(laid_out, dim=0, num_chunks=world, out=rs_input.view(world, -1))
-        self._grads.clear()  # the unsharded grads can be freed now: the copy-in read them
+        for source in sources:
+            source.grads.clear()  # the unsharded grads can be freed now: the copy-in read them
         del laid_out
         if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
-            _trace.ACTIVE.grads_reduced()
+            for source in sources:
+                if source.traced_bytes:
+                    _trace.ACTIVE.grads_reduced(source.key(), source.traced_bytes)
         self.reduce_scatter_input = rs_input
         rs_stream = streams.reduce_scatter
         rs_stream.wait_stream(current)
@@ -239,7 +328,7 @@ class GradientReduction:
                 trace_key=self._trace_key,
                 streams=streams,
                 stream=rs_stream,
-                what=lambda: f"the reduce-scatter of group '{self._name}'",
+                what=lambda: self._what("reduce-scatter"),
             )
             self.reduce_scatter_event = in_flight.event
             yield in_flight, rs_stream
@@ -279,7 +368,7 @@ class GradientReduction:
                 trace_key=self._trace_key,
                 streams=streams,
                 stream=ar_stream,
-                what=lambda: f"the all-reduce of group '{self._name}'",
+                what=lambda: self._what("all-reduce"),
             )
             yield in_flight, ar_stream
             post_stream = ar_stream
@@ -293,18 +382,35 @@ class GradientReduction:
             self.all_reduce_buffer = output  # point 8
         with streams.use(post_stream):
             _div_(output, post)
-            if output.dtype != self._orig_dtype:
-                output = output.to(self._orig_dtype)
             offset = 0
             offloaded = False
-            for fsdp_param in self._params:
-                numel = fsdp_param.padded_sharded_numel
-                offloaded |= fsdp_param.assign_sharded_grad(output.narrow(0, offset, numel))
-                offset += numel
+            for source in sources:
+                size = sum(p.padded_sharded_numel for p in source.params)
+                out = output.narrow(0, offset, size) if len(sources) > 1 else output
+                if out.dtype != source.orig_dtype:
+                    out = out.to(source.orig_dtype)
+                inner = 0
+                for fsdp_param in source.params:
+                    numel = fsdp_param.padded_sharded_numel
+                    offloaded |= fsdp_param.assign_sharded_grad(out.narrow(0, inner, numel))
+                    inner += numel
+                offset += size
             self.post_reduce_event = post_stream.record_event()
             if offloaded:  # the same event orders the non-blocking device-to-host copies
                 self.offload_event = self.post_reduce_event
         return None
+
+
+def reduce_scatters_to_retire(alive: int, max_input_buffers: int) -> int:
+    """How many of the oldest ``alive`` reduce-scatters a new reduction retires before it
+    starts (point 6), so that at most ``max_input_buffers`` inputs are alive with its own.
+
+    The schedule's rule, read by the planner's replay too (``plan/_schedule``): before a
+    reduction starts, the all-reduces issued when earlier reductions were retired finish
+    first, then this many reduce-scatters are retired (waited for, their inputs released,
+    an HSDP all-reduce issued), then the new one is copied in and issued.
+    """
+    return max(0, alive - max_input_buffers + 1)
 
 
 class ReductionSchedule:
@@ -320,13 +426,23 @@ class ReductionSchedule:
       (``set_reduce_scatter_max_input_buffers``), then copies in and issues.
     - On stream-ordered devices a reduction runs to its end at once (events order it; the
       host never waits); on CPU its waits happen at the next ``start`` or at ``finish``.
-    - ``finish`` (end of backward) finishes everything and orders the current stream after
-      every post-reduce event.
+    - ``finish`` (end of backward) starts the open buckets, finishes everything and orders
+      the current stream after every post-reduce event.
+    - Bucketed reductions (``submit(..., bucketed=True)``, replicate's groups with default
+      reduction) are the same reductions started later: a group's gradients join the open
+      bucket of its all-reduce group and dtypes, and the bucket starts, as one reduction,
+      once it holds ``FIRST_BUCKET_BYTES`` (the first of a backward) or ``BUCKET_BYTES``
+      (DDP's sizes), else at ``finish``. From then on every rule above applies to it, on
+      every device.
     """
 
     def __init__(self) -> None:
         self.max_input_buffers = 1
         self._streams: CommStreams | None = None
+        # Buckets being filled, by ``GradientReduction.bucket_key``; bytes of buckets started
+        # this backward (the first one's cap is smaller).
+        self._open: dict[tuple[Any, ...], GradientReduction] = {}
+        self._started_bytes = 0
         # Point 6: reductions whose reduce-scatter input is still referenced, oldest first;
         # then those whose all-reduce is in flight (CPU only: on accelerators every reduction
         # runs to its end at issue, ordered by events).
@@ -340,12 +456,33 @@ class ReductionSchedule:
         # reduce-scatter, all-reduce or a hook stream), so no one of them stands for the rest.
         self._offload_events: list[Any] = []
 
+    def submit(self, reduction: GradientReduction, streams: CommStreams, *, bucketed: bool) -> None:
+        """A group's post-backward hands over its reduction: started now, or (``bucketed``)
+        added to the open bucket, which starts once it is full."""
+        if not bucketed:
+            self.start(reduction, streams)
+            return
+        self._streams = streams
+        key = reduction.bucket_key
+        bucket = self._open.get(key)
+        if bucket is None:
+            bucket = self._open[key] = reduction
+        else:
+            bucket.absorb(reduction)
+        cap = FIRST_BUCKET_BYTES if self._started_bytes == 0 else BUCKET_BYTES
+        if bucket.reduce_bytes >= cap:
+            del self._open[key]
+            self._started_bytes += bucket.reduce_bytes
+            self.start(bucket, streams)
+
     def start(self, reduction: GradientReduction, streams: CommStreams) -> None:
         """Point 6: make room (at most ``max_input_buffers`` reduce-scatter inputs alive),
         then copy in and issue ``reduction``."""
         self._streams = streams
         self._finish_all_reduces()
-        while len(self._reduce_scatters) >= self.max_input_buffers:
+        for _ in range(
+            reduce_scatters_to_retire(len(self._reduce_scatters), self.max_input_buffers)
+        ):
             self._retire_reduce_scatter(self._reduce_scatters.popleft())
         self._release_all_reduce_buffers(streams)
         reduction.start()
@@ -363,6 +500,11 @@ class ReductionSchedule:
     def finish(self) -> None:
         """Point 7, at the end of backward: finish every reduction, make the current stream
         wait for their results, and the host for every non-blocking gradient offload."""
+        if self._streams is not None:
+            for bucket in list(self._open.values()):
+                self.start(bucket, self._streams)
+        self._open.clear()
+        self._started_bytes = 0
         self._finish_all_reduces()
         while self._reduce_scatters:
             reduction = self._reduce_scatters.popleft()
@@ -383,6 +525,8 @@ class ReductionSchedule:
         """After a failed step: wait out what is in flight and drop it."""
         for reduction in (*self._all_reduces, *self._reduce_scatters):
             reduction.abandon()
+        self._open.clear()
+        self._started_bytes = 0
         self._all_reduces.clear()
         self._reduce_scatters.clear()
         self._all_reduce_buffers.clear()

@@ -55,7 +55,7 @@ Design note: traced quantities
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, ParamSpec, TypeVar
@@ -222,8 +222,6 @@ class TraceRecorder:
         self._grads = 0
         self._live: dict[str, int] = {}  # group key -> gathered bytes it holds
         self._unshards: dict[str, _Unshard] = {}
-        self._reducing = ""  # the group whose gradient reduction is starting
-        self._reducing_grad_bytes = 0
         self._ranks: dict[int, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
         self._running = False
 
@@ -353,21 +351,12 @@ class TraceRecorder:
             pending.collective.complete_ns = now
         self._change(now, key, "discard", -self._live.get(key, 0))
 
-    def grads_taken(self, key: str, grads: Iterable[torch.Tensor]) -> None:
-        self._reducing = key
-        self._reducing_grad_bytes = sum(_nbytes(g) for g in grads)
-        self._change(self.now(), self._reducing, "grads_taken", self._reducing_grad_bytes)
-
-    def grads_reduced(self) -> None:
-        self._change(self.now(), self._reducing, "grads_reduced", -self._reducing_grad_bytes)
-        self._reducing_grad_bytes = 0
-
-    # Replicate gradient buckets (``_grad_buckets``): one all-reduce for several groups, issued
-    # asynchronously and waited at the end of backward.
-    def bucket_grads(self, key: str, nbytes: int) -> None:
+    def grads_taken(self, key: str, nbytes: int) -> None:
+        """A group's post-backward took ``nbytes`` of unsharded gradients to reduce."""
         self._change(self.now(), key, "grads_taken", nbytes)
 
-    def bucket_grads_copied(self, key: str, nbytes: int) -> None:
+    def grads_reduced(self, key: str, nbytes: int) -> None:
+        """They were copied into a reduction's input (for a bucket, when it started)."""
         self._change(self.now(), key, "grads_reduced", -nbytes)
 
     def time_hook(
