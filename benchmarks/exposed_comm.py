@@ -29,8 +29,6 @@ from typing import Any
 import torch.distributed as dist
 from _spawn import run_ranks, shardweave_step
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
 
 def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
     step = shardweave_step(rank, world, store_path, args.workload, args.implicit_forward_prefetch)
@@ -48,9 +46,10 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, ou
                 step()
         summary = tracer.summary()
         for s, record in zip(summary["steps"], tracer.steps, strict=True):
-            row = {k: 0.0 for k in KINDS}
+            kinds = list(summary["collectives"])  # the tracer's collective kinds
+            row = {k: 0.0 for k in kinds}
             for group in s["groups"].values():
-                for kind in KINDS:
+                for kind in kinds:
                     row[kind] += group[kind]["exposed_ms"]
             row["step_ms"] = (record.end_ns - record.begin_ns) / 1e6
             rows.append(row)
@@ -74,12 +73,13 @@ def main() -> None:
     args = parser.parse_args()
     per_rank = run_ranks(_worker, args.world_size, args)
     steps = len(per_rank[0])
+    kinds = [k for k in per_rank[0][0] if k != "step_ms"]
     slowest = [
-        {k: max(per_rank[r][i][k] for r in per_rank) for k in (*KINDS, "step_ms")}
+        {k: max(per_rank[r][i][k] for r in per_rank) for k in (*kinds, "step_ms")}
         for i in range(steps)
     ]
-    result = {k: statistics.median(row[k] for row in slowest) for k in (*KINDS, "step_ms")}
-    result["exposed_ms"] = sum(result[k] for k in KINDS)
+    result = {k: statistics.median(row[k] for row in slowest) for k in (*kinds, "step_ms")}
+    result["exposed_ms"] = sum(result[k] for k in kinds)
     result["steps"] = steps
     print(f"{args.workload}, world {args.world_size}, {steps} traced steps, median ms per step:")
     for k, v in result.items():

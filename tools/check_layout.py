@@ -24,7 +24,8 @@ Fails (exit 1, one line per problem) on:
     importer (at module level, inside a function, or under ``TYPE_CHECKING``: type-only imports
     are arrows too), a module missing from its table or a line naming none, an import cycle,
     and one module's use of another's private name (``from ._x import _y``, ``_x._y``);
-    ``KNOWN_BACK_EDGES`` lists the back edges still allowed (issue 28), and only those that exist.
+    ``KNOWN_BACK_EDGES`` would list back edges allowed while a restructuring lands (empty), and
+    only those that exist.
 
 Usage: python tools/check_layout.py [--root DIR] [--strict] [--cycles]
 """
@@ -69,20 +70,11 @@ ALLOWED_TORCH_NAMES: Final[frozenset[str]] = frozenset(
     f"torch.distributed.fsdp.{name}"
     for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "FSDPModule")
 )
-# Back edges the checker lets through, as (importer, imported) full module names. Issue 28: the
-# seven-module circle of the communication layer (`_consistency`, `_fault`, `_fsdp_collectives`,
-# `_fsdp_param_group`, `_grad_buckets`, `_trace`, `_watchdog`) is broken by the comm split on
-# another branch (`_comm`, `_seam`, `_all_gather`, `_reduction`; the tracer, the buckets and the
-# consistency check take names and keys, not groups). These are exactly its edges that still
-# point up; remove each one as that lands, and the whole set with it. Nothing else goes here.
-KNOWN_BACK_EDGES: Final[frozenset[tuple[str, str]]] = frozenset(
-    {
-        # type-only: each takes a whole FSDPParamGroup to read its name
-        ("shardweave.fsdp._consistency", "shardweave.fsdp._fsdp_param_group"),
-        ("shardweave.fsdp._grad_buckets", "shardweave.fsdp._fsdp_param_group"),
-        ("shardweave.fsdp._trace", "shardweave.fsdp._fsdp_param_group"),
-    }
-)
+# Back edges the checker lets through, as (importer, imported) full module names: none. The set
+# exists for a restructuring that lands in steps (issue 28 used it while the communication
+# layer's circle was broken on another branch); an entry whose import is gone is an error, so
+# it cannot outlive its reason.
+KNOWN_BACK_EDGES: Final[frozenset[tuple[str, str]]] = frozenset()
 
 _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
@@ -688,9 +680,7 @@ def _check_tables(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
-    parser.add_argument(
-        "--strict", action="store_true", help="ignore KNOWN_BACK_EDGES (the edges issue 28 removes)"
-    )
+    parser.add_argument("--strict", action="store_true", help="ignore KNOWN_BACK_EDGES")
     parser.add_argument(
         "--cycles",
         action="store_true",

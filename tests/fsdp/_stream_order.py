@@ -65,7 +65,7 @@ WAIT_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     # reduce-scatter's event, so without it the optimizer reads gradients still being cast.
     "optimizer-waits-for-post-reduce": (
         {"mp": True, "reduce_dtype": torch.bfloat16},
-        "FSDPCommContext.finish_reductions",
+        "ReductionSchedule.finish",
         ("aten::_to_copy", "aten::add_"),
     ),
 }
@@ -139,6 +139,23 @@ def _maybe_sanitized(
         yield report
 
 
+@contextlib.contextmanager
+def _bucket_bytes(nbytes: int | None) -> Iterator[None]:
+    """Replicate's bucket caps (``_reduction.FIRST_BUCKET_BYTES`` / ``BUCKET_BYTES``) set to
+    ``nbytes`` for the scenario, so the tiny models fill buckets in backward."""
+    if nbytes is None:
+        yield
+        return
+    from shardweave.fsdp import _reduction
+
+    saved = _reduction.FIRST_BUCKET_BYTES, _reduction.BUCKET_BYTES
+    _reduction.FIRST_BUCKET_BYTES = _reduction.BUCKET_BYTES = nbytes
+    try:
+        yield
+    finally:
+        _reduction.FIRST_BUCKET_BYTES, _reduction.BUCKET_BYTES = saved
+
+
 def train(
     rank: int,
     world: int,
@@ -159,7 +176,10 @@ def train(
     """
     kind, steps, micro = cfg.get("kind", "gpt"), cfg.get("steps", 2), cfg.get("micro", 1)
     out: dict[str, list[torch.Tensor]] = {"loss": [], "grad": [], "param": []}
-    with _maybe_sanitized(sanitize, drop_waits_from, raise_on_race, accelerator) as report:
+    with (
+        _bucket_bytes(cfg.get("bucket_bytes")),
+        _maybe_sanitized(sanitize, drop_waits_from, raise_on_race, accelerator) as report,
+    ):
         model = make_model(kind)
         wrap_scenario(model, cfg, world, engine)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -21,7 +21,7 @@ from torch import nn
 
 from shardweave.fsdp import CPUOffloadPolicy, fully_shard
 from shardweave.fsdp._fsdp_common import inputs_to_device, moves_forward_inputs
-from shardweave.fsdp._fsdp_param_group import FSDPCommContext
+from shardweave.fsdp._reduction import ReductionSchedule
 from tests._dist import WorkerPool
 
 Pair = namedtuple("Pair", ["a", "b"])
@@ -100,14 +100,14 @@ def test_end_of_backward_waits_for_every_offload_copy() -> None:
     """Reductions that offload end on different streams (the reduce-scatter stream, the
     all-reduce stream, a hook's stream), so the host waits for each one's event before the
     CPU optimizer reads the gradients, not only the last one's. Oracle: closed form."""
-    ctx = FSDPCommContext()
+    ctx = ReductionSchedule()
     events = [_Event(), _Event(), _Event()]
     for event in events:
         reduction = SimpleNamespace(
             post_reduce_event=None, all_reduce_buffer=None, offload_event=event
         )
         ctx._finished(reduction)  # type: ignore[arg-type]
-    ctx.finish_reductions()
+    ctx.finish()
     assert [e.synchronized for e in events] == [1, 1, 1]
-    ctx.finish_reductions()  # each once: the next backward starts with none pending
+    ctx.finish()  # each once: the next backward starts with none pending
     assert [e.synchronized for e in events] == [1, 1, 1]

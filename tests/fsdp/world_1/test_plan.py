@@ -190,6 +190,32 @@ def test_peak_gathered_schedule() -> None:
     ]
 
 
+def test_reduce_scatter_max_input_buffers() -> None:
+    """The replay retires reduce-scatters by the engine's rule (``_reduction``), so
+    ``set_reduce_scatter_max_input_buffers(n)`` keeps up to ``n`` inputs alive in backward.
+    Oracle: closed form (four groups with gradients: min(n, 4) inputs at once)."""
+
+    def wrap(m: nn.Module) -> bool:
+        if isinstance(m, nn.Sequential):
+            return True
+        return isinstance(m, nn.Linear) and m.in_features == 5 and m.out_features == 5
+
+    def most_inputs_alive(p: Plan) -> int:
+        alive = most = 0
+        for r in p.timeline:
+            alive += {"reduce-scatter input": 1, "reduce-scatter done": -1}.get(r.event, 0)
+            most = max(most, alive)
+        return most
+
+    plans = {
+        n: plan(Stack, mesh=4, wrap=wrap, optimizer="sgd", reduce_scatter_max_input_buffers=n)
+        for n in (1, 2, 3)
+    }
+    assert {n: most_inputs_alive(p) for n, p in plans.items()} == {1: 1, 2: 2, 3: 3}
+    assert plans[1].peak_comm_buffer_bytes <= plans[2].peak_comm_buffer_bytes
+    assert plans[2].peak_comm_buffer_bytes <= plans[3].peak_comm_buffer_bytes
+
+
 def test_int_reshard_after_forward() -> None:
     b1 = _stack_sizes()[2]
     wrap = "Sequential"

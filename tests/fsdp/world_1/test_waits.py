@@ -109,8 +109,9 @@ class FakeDeviceModule:
 
 def waits_by_device(rank: int, world: int) -> dict[str, list[Any]]:
     from shardweave.fsdp import _fault
-    from shardweave.fsdp._fsdp_collectives import issue
+    from shardweave.fsdp._fsdp_common import CollectiveKind
     from shardweave.fsdp._fsdp_streams import CommStreams, use_device_module
+    from shardweave.fsdp._seam import issue
 
     saved = _fault._STATE.epoch
     _fault._STATE.epoch = 1  # a root lazy init happened: the failure channel is live
@@ -132,7 +133,7 @@ def waits_by_device(rank: int, world: int) -> dict[str, list[Any]]:
                     return work
 
                 in_flight = issue(
-                    "all_reduce",
+                    CollectiveKind.ALL_REDUCE,
                     launch,
                     group=dist.group.WORLD,  # type: ignore[arg-type]
                     tensor=tensor,

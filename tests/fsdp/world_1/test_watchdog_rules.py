@@ -287,15 +287,16 @@ def seam_completion(rank: int, world: int) -> dict[str, bool]:
     """Through the seam: after ``InFlight.wait`` a stream-ordered collective whose event has not
     completed is still pending (the host only ordered streams); once the event completes it is
     done. On CPU the host's wait finishes it."""
-    from shardweave.fsdp._fsdp_collectives import issue
+    from shardweave.fsdp._fsdp_common import CollectiveKind
     from shardweave.fsdp._fsdp_streams import CommStreams, use_device_module
+    from shardweave.fsdp._seam import issue
 
     seen: dict[str, bool] = {}
     for ordered in (True, False):
         with use_device_module(_FakeDevice(), stream_ordered=ordered):
             streams = CommStreams(torch.device("cpu"))
             in_flight = issue(
-                "all_gather",
+                CollectiveKind.ALL_GATHER,
                 lambda async_op: _DoneWork(),  # type: ignore[arg-type,return-value]
                 group=dist.group.WORLD,  # type: ignore[arg-type]
                 tensor=torch.empty(4),
@@ -412,3 +413,23 @@ def test_abort_only_where_torch_documents_it(
     pg = _PG(backend)
     assert abort_if_supported(pg) is aborts  # type: ignore[arg-type]
     assert pg.aborted == int(aborts)
+
+
+def test_collective_kinds_keep_their_names_and_codes() -> None:
+    """The kinds are one enum (``CollectiveKind``); its names are what traces, summaries and
+    JSON show, and its codes travel in the collective check's signatures, so both are a wire
+    format: new kinds are appended. Oracle: the strings the tracer has always reported."""
+    import json
+
+    from shardweave.fsdp._fsdp_common import CollectiveKind
+
+    kinds = list(CollectiveKind)
+    assert [str(k) for k in kinds] == ["all_gather", "reduce_scatter", "all_reduce"]
+    assert [k.code for k in kinds] == [0, 1, 2]
+    assert [k.words for k in kinds] == ["all-gather", "reduce-scatter", "all-reduce"]
+    assert [k.abbrev for k in kinds] == ["AG", "RS", "AR"]
+    assert json.dumps({k: k for k in kinds}) == json.dumps({k.value: k.value for k in kinds})
+    assert f"{CollectiveKind.ALL_GATHER:<12}|" == "all_gather  |"
+    assert (
+        CollectiveKind.ALL_REDUCE == "all_reduce" and {"all_reduce": 1}[CollectiveKind.ALL_REDUCE]
+    )

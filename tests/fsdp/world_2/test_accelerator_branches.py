@@ -37,6 +37,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "reshard-after-forward-false": {"reshard_after_forward": False},
     "replicate": {"replicate": True},
     "replicate-bf16-reduce": {"replicate": True, **BF16_REDUCE},
+    # Caps of 2000 bytes: both blocks (1506 bf16 bytes each) in one bucket, the root in another.
+    "replicate-two-group-bucket": {"replicate": True, **BF16_REDUCE, "bucket_bytes": 2000},
     "hsdp-one-shard-rank-bf16-reduce": {"hsdp": True, **BF16_REDUCE},
     "cpu-offload": {"offload": True},
     "explicit-prefetch": {"prefetch": True},
@@ -65,15 +67,25 @@ MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     # waited for the reduce-scatter.
     "keep-reduce-scatter-input": (
         BF16_REDUCE,
-        "FSDPCommContext._retire_reduce_scatter",
+        "ReductionSchedule._retire_reduce_scatter",
         ("unsafe reuse", "c10d::_reduce_scatter_base_"),
+    ),
+    # The same keep-alive (point 6) for a replicate bucket, the bucketed variant of the one
+    # reduction: its input (every group's gradients laid side by side, on the current stream)
+    # is read on the reduce-scatter stream (copied into its own block, as with one shard
+    # rank), and released only when the current stream waited for that copy.
+    "keep-bucket-input": (
+        {"replicate": True, **BF16_REDUCE, "bucket_bytes": 1000},
+        "ReductionSchedule._retire_reduce_scatter",
+        ("unsafe reuse", "aten::copy_"),
     ),
     # Keep-alive of the all-reduce buffer (point 8): replicate's one-rank reduce-scatter
     # output, all-reduced on its own stream, then cast; released when the reduce-scatter
-    # stream waited for the all-reduce.
+    # stream waited for the all-reduce. Buckets capped at 1000 bytes, so each block's bucket
+    # starts in backward (with DDP's caps the tiny model is one bucket, started at the end).
     "keep-all-reduce-buffer": (
-        {"replicate": True, **BF16_REDUCE},
-        "FSDPCommContext._release_all_reduce_buffers",
+        {"replicate": True, **BF16_REDUCE, "bucket_bytes": 1000},
+        "ReductionSchedule._release_all_reduce_buffers",
         ("unsafe reuse", "c10d::allreduce_"),
     ),
     # Keep-alive of the forward all-gather output (point 3): released when the all-gather

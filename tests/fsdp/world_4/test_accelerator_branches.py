@@ -34,7 +34,7 @@ def test_removed_all_reduce_keep_alive_is_reported(world4: WorkerPool) -> None:
     (Design note point 8) the next group's reduce-scatter output takes its block while the
     all-reduce may still write it. Oracle: the allocator model's report names that reuse."""
     cfg = {"hsdp": True, **BF16_REDUCE}
-    drop = "FSDPCommContext._release_all_reduce_buffers"
+    drop = "ReductionSchedule._release_all_reduce_buffers"
     for result in world4.run(mutated, cfg, drop, True):
         assert isinstance(result, dict)
         assert result["dropped"], result

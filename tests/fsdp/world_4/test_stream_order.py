@@ -31,11 +31,11 @@ def test_training_is_race_free(world4: WorkerPool, cfg: dict[str, Any]) -> None:
 def test_removed_end_of_backward_wait_is_reported(world4: WorkerPool) -> None:
     """Mutation test: with HSDP the gradients are finished on the all-reduce stream, after the
     reduce-scatter's event, so only the end-of-backward wait for the post-reduce events
-    (Design note point 7, ``FSDPCommContext.finish_reductions``) orders the optimizer after
+    (Design note point 7, ``ReductionSchedule.finish``) orders the optimizer after
     the all-reduce. Dropping it must surface as a race between the all-reduce and the
     optimizer.
     """
-    for result in world4.run(mutated, {"hsdp": True}, "FSDPCommContext.finish_reductions"):
+    for result in world4.run(mutated, {"hsdp": True}, "ReductionSchedule.finish"):
         assert isinstance(result, dict)
         assert result["dropped"], "finish_reductions issued no wait: the mutation did nothing"
         races = result["races"]

@@ -26,16 +26,12 @@ import hashlib
 import math
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from shardweave.fsdp import _channel
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo
-
-if TYPE_CHECKING:
-    from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 
 __all__ = ["FSDPConsistencyError", "check_ranks_agree", "describe_groups"]
 
@@ -70,27 +66,12 @@ class FSDPConsistencyError(RuntimeError):
     """
 
 
-def describe_groups(groups: Sequence[FSDPParamGroup], mp_repr: str, api: str) -> list[str]:
-    """One line per fact every rank must agree on, in a stable order."""
-    lines = [f"{api} root policy: {mp_repr}", f"groups: {len(groups)}"]
-    for index, group in enumerate(groups):
-        info = group.mesh_info
-        post = group.post_forward_mesh_info
-        post_desc = (
-            "none" if post is None else ("same" if post is info else str(post.shard_mesh_size))
-        )
-        lines.append(
-            f"group {index} '{group._module_fqn}': {type(info).__name__} "
-            f"shard={getattr(info, 'shard_mesh_size', 1)} "
-            f"replicate={getattr(info, 'replicate_mesh_size', 1)} "
-            f"reshard_after_forward={post_desc} mp={group.mp_policy} "
-            f"offload={type(group.offload_policy).__name__}"
-        )
-        for p in group.fsdp_params:
-            lines.append(
-                f"  param '{p.param_fqn}': shape={tuple(p.orig_size)} dtype={p.orig_dtype} "
-                f"requires_grad={p.sharded_param.requires_grad} shard_dim={p.shard_dim}"
-            )
+def describe_groups(group_lines: Sequence[list[str]], mp_repr: str, api: str) -> list[str]:
+    """One line per fact every rank must agree on, in a stable order: the root's policy,
+    then each group's own lines (``FSDPParamGroup.consistency_lines``)."""
+    lines = [f"{api} root policy: {mp_repr}", f"groups: {len(group_lines)}"]
+    for per_group in group_lines:
+        lines.extend(per_group)
     return lines
 
 

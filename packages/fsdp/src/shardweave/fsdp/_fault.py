@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from shardweave.fsdp import _channel
 from shardweave.fsdp._consistency import FSDPConsistencyError
-from shardweave.fsdp._fsdp_common import COLLECTIVE_KINDS
+from shardweave.fsdp._fsdp_common import CollectiveKind
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -89,7 +89,7 @@ __all__ = [
 CHECK_ENV = "SHARDWEAVE_CHECK_COLLECTIVES"
 POLL_INTERVAL = datetime.timedelta(seconds=0.5)
 _SCOPE = "fault"
-# Signature layout: step, sequence number, group hash, kind (index in COLLECTIVE_KINDS), numel,
+# Signature layout: step, sequence number, group hash, kind (``CollectiveKind.code``), numel,
 # dtype.
 _SIG_LEN = 6
 
@@ -558,7 +558,8 @@ def _hash(name: str) -> int:
 def _describe(sig: list[int]) -> str:
     step, seq, group, kind, numel, dtype = sig
     name = _STATE.names.get(group, f"<unknown group {group:#x}>")
-    kind_name = COLLECTIVE_KINDS[kind] if 0 <= kind < len(COLLECTIVE_KINDS) else f"kind {kind}"
+    kinds = list(CollectiveKind)
+    kind_name = kinds[kind].value if 0 <= kind < len(kinds) else f"kind {kind}"
     return (
         f"{kind_name} of group '{name}' (step {step}, collective #{seq}, {numel} elements of "
         f"{_DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else dtype})"
@@ -579,7 +580,7 @@ _DTYPES: list[torch.dtype] = [
 
 def check_collective(
     group: dist.ProcessGroup,
-    kind: str,
+    kind: CollectiveKind,
     name: str,
     numel: int,
     dtype: torch.dtype,
@@ -597,7 +598,7 @@ def check_collective(
     gid = _hash(name)
     _STATE.names[gid] = name
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    sig = [_STATE.step, seq, gid, COLLECTIVE_KINDS.index(kind), numel, dtype_code]
+    sig = [_STATE.step, seq, gid, kind.code, numel, dtype_code]
     mine = _describe(sig)
     world = group.size()
     local = torch.tensor(sig, dtype=torch.int64, device=device)

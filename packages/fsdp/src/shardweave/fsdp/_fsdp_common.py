@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from enum import Enum, auto
-from typing import Any, Final, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 from torch.distributed.tensor import Shard
@@ -37,7 +37,7 @@ from torch.distributed.tensor import Shard
 from shardweave.mesh import FSDPMeshInfo
 
 __all__ = [
-    "COLLECTIVE_KINDS",
+    "CollectiveKind",
     "ShardPlacementResult",
     "ShardedState",
     "TrainingState",
@@ -53,9 +53,44 @@ __all__ = [
     "run_eagerly",
 ]
 
-# The collectives the engine issues, by the names the tracer reports; the fault checker's
-# signatures carry a kind as its index here, so every rank must see the same order.
-COLLECTIVE_KINDS: Final = ("all_gather", "reduce_scatter", "all_reduce")
+
+class CollectiveKind(str, Enum):
+    """The collectives the engine issues, by the names the tracer, the planner and the
+    watchdog report (a ``str``: ``kind == "all_gather"`` and JSON output read the name).
+
+    Every place that counts or names kinds iterates over this enum, so a new kind is one
+    member here (plus its c10d call in ``_comm`` and the code that issues it through the
+    seam, ``_seam.issue``). It lives in this bottom module, not in ``_seam``, because the
+    modules the seam calls (the fault check, the watchdog, the tracer) name kinds too. The
+    fault checker's signatures carry a kind as its ``code`` (declaration order), so every
+    rank must see the same order: append new members.
+    """
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return str(self.value).__format__(spec)
+
+    @property
+    def code(self) -> int:
+        """Its index in declaration order (the fault checker's signature field)."""
+        return list(CollectiveKind).index(self)
+
+    @property
+    def abbrev(self) -> str:
+        """Its initials, for table headers: ``"AG"``."""
+        return "".join(word[0] for word in str(self.value).split("_")).upper()
+
+    @property
+    def words(self) -> str:
+        """The name in prose: ``"all-gather"``."""
+        return str(self.value).replace("_", "-")
+
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

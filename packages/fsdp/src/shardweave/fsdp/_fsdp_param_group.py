@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,22 +24,25 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardweave.fsdp import _trace
-from shardweave.fsdp._fsdp_collectives import (
-    AllGatherResult,
+from shardweave.fsdp._all_gather import AllGatherResult, all_gather_copy_in, all_gather_copy_out
+from shardweave.fsdp._comm import (
     DefaultAllGather,
     DefaultReduceScatter,
-    GradientReduction,
-    InFlight,
     ProcessGroupAllocAllGather,
     ProcessGroupAllocReduceScatter,
     SymmMemAllGather,
     SymmMemReduceScatter,
-    all_gather_copy_in,
-    all_gather_copy_out,
-    issue,
     release_finished_buffer,
 )
+from shardweave.fsdp._fsdp_api import (
+    AllGather,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ReduceScatter,
+)
 from shardweave.fsdp._fsdp_common import (
+    CollectiveKind,
     ShardedState,
     TrainingState,
     collect_grad_tensors,
@@ -50,17 +52,9 @@ from shardweave.fsdp._fsdp_common import (
 )
 from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
-from shardweave.fsdp._grad_buckets import GradBuckets
-from shardweave.mesh import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
-
-if TYPE_CHECKING:
-    from shardweave.fsdp._fsdp_api import (
-        AllGather,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        ReduceScatter,
-    )
-    from shardweave.mesh import DataParallelMeshInfo
+from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
+from shardweave.fsdp._seam import InFlight, issue
+from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
 
@@ -74,23 +68,11 @@ class FSDPCommContext:
         # Groups in post-forward order, with repetition: the implicit backward prefetch target
         # of a group is the one whose forward finished just before it.
         self.post_forward_order: list[FSDPParamGroup] = []
-        self.reduce_scatter_max_input_buffers = 1
-        self.grad_buckets = GradBuckets()
+        # When each gradient reduction is waited and its buffers retired (points 6-8).
+        self.reductions = ReductionSchedule()
         self._streams: CommStreams | None = None
         # Point 3: the last forward all-gather's buffers and its copy-out event.
         self.all_gather_state: tuple[AllGatherResult, Any] | None = None
-        # Point 6: reductions whose reduce-scatter input is still referenced, oldest first;
-        # then those whose all-reduce is in flight (CPU only: on accelerators every reduction
-        # runs to its end at issue, ordered by events).
-        self._reduce_scatters: deque[GradientReduction] = deque()
-        self._all_reduces: list[GradientReduction] = []
-        # Point 8: reduce-scatter outputs another stream used, with the event after that use;
-        # dropped once the reduce-scatter stream waited for it.
-        self._all_reduce_buffers: list[tuple[torch.Tensor, Any]] = []
-        self._post_reduce_events: list[Any] = []
-        # One per reduction that offloaded non-blocking: they end on different streams (the
-        # reduce-scatter, all-reduce or a hook stream), so no one of them stands for the rest.
-        self._offload_events: list[Any] = []
         # Implicit forward prefetch: the states whose forward began, in this iteration's
         # order, and the successor of each in the previous iteration (first occurrence).
         self.forward_order: list[Any] = []
@@ -122,88 +104,19 @@ class FSDPCommContext:
         if state is not None and self._streams is not None:
             self._streams.all_gather_waits(state[1])
 
-    def start_reduction(self, reduction: GradientReduction, device: torch.device) -> None:
-        """Point 6: make room (at most ``reduce_scatter_max_input_buffers`` reduce-scatter
-        inputs alive), then copy in and issue ``reduction``."""
-        self._finish_all_reduces()
-        while len(self._reduce_scatters) >= self.reduce_scatter_max_input_buffers:
-            self._retire_reduce_scatter(self._reduce_scatters.popleft())
-        streams = self.streams(device)
-        self._release_all_reduce_buffers(streams)
-        reduction.start()
-        if streams.stream_ordered:
-            reduction.finish()  # ordered by events: the host does not wait
-        self._reduce_scatters.append(reduction)
-
-    def _release_all_reduce_buffers(self, streams: CommStreams) -> None:
-        """Point 8: the reduce-scatter stream waits for the last use of its earlier outputs
-        on other streams, so its next allocations may take their blocks."""
-        for _, event in self._all_reduce_buffers:
-            wait_event(streams.reduce_scatter, event)
-        self._all_reduce_buffers.clear()
-
-    def finish_reductions(self) -> None:
-        """Point 7, at the end of backward: finish every reduction, make the current stream
-        wait for their results, and the host for every non-blocking gradient offload."""
-        self._finish_all_reduces()
-        while self._reduce_scatters:
-            reduction = self._reduce_scatters.popleft()
-            reduction.finish()
-            self._retire_reduce_scatter(reduction)
-        if self._streams is not None:
-            current = self._streams.current()
-            for event in self._post_reduce_events:
-                wait_event(current, event)
-            self._release_all_reduce_buffers(self._streams)
-        self._post_reduce_events.clear()
-        # The CPU optimizer reads the offloaded gradients next: they must have landed.
-        for event in self._offload_events:
-            event.synchronize()
-        self._offload_events.clear()
-
     def abandon_reductions(self) -> None:
         """After a failed step: wait out what is in flight and drop it."""
-        for reduction in (*self._all_reduces, *self._reduce_scatters):
-            reduction.abandon()
-        self._all_reduces.clear()
-        self._reduce_scatters.clear()
-        self._all_reduce_buffers.clear()
-        self._post_reduce_events.clear()
-        self._offload_events.clear()
+        self.reductions.abandon()
         self.all_gather_state = None
         self.forward_order.clear()
 
-    def _finish_all_reduces(self) -> None:
-        # Issued at the previous post-backward: they overlapped one group's backward.
-        for reduction in self._all_reduces:
-            reduction.finish()
-            self._finished(reduction)
-        self._all_reduces.clear()
+    @property
+    def reduce_scatter_max_input_buffers(self) -> int:
+        return self.reductions.max_input_buffers
 
-    def _retire_reduce_scatter(self, reduction: GradientReduction) -> None:
-        if not reduction.done and not reduction.in_all_reduce:
-            reduction.advance()  # wait for the reduce-scatter; may issue the all-reduce
-        assert self._streams is not None
-        wait_event(self._streams.current(), reduction.reduce_scatter_event)
-        # The current stream may reuse its memory now.
-        rs_input, reduction.reduce_scatter_input = reduction.reduce_scatter_input, None
-        if rs_input is not None and reduction.reduce_scatter_finished_on_host:
-            release_finished_buffer(rs_input, reduction.reduce_scatter_comm)
-        del rs_input
-        if reduction.done:
-            self._finished(reduction)
-        else:
-            self._all_reduces.append(reduction)
-
-    def _finished(self, reduction: GradientReduction) -> None:
-        self._post_reduce_events.append(reduction.post_reduce_event)
-        if reduction.all_reduce_buffer is not None:
-            self._all_reduce_buffers.append(
-                (reduction.all_reduce_buffer, reduction.post_reduce_event)
-            )
-            reduction.all_reduce_buffer = None
-        if reduction.offload_event is not None:
-            self._offload_events.append(reduction.offload_event)
+    @reduce_scatter_max_input_buffers.setter
+    def reduce_scatter_max_input_buffers(self, count: int) -> None:
+        self.reductions.max_input_buffers = count
 
 
 class FSDPParamGroup:
@@ -224,8 +137,6 @@ class FSDPParamGroup:
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
     ) -> None:
-        from shardweave.fsdp._fsdp_api import CPUOffloadPolicy
-
         self.modules = modules
         self.mesh_info = mesh_info
         self.post_forward_mesh_info = post_forward_mesh_info
@@ -526,7 +437,7 @@ class FSDPParamGroup:
         )
         assert info is not None
         if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
-            _trace.ACTIVE.unshard_begin(self)
+            _trace.ACTIVE.unshard_begin(self.trace_key)
         if self._aliases_shards():
             # See FSDPParam.alias_sharded_storage: one rank per shard, nothing to gather.
             for p in self.fsdp_params:
@@ -549,7 +460,7 @@ class FSDPParamGroup:
             )
         world = info.shard_mesh_size if isinstance(info, FSDPMeshInfo) else 1
         if _trace.ACTIVE is not None:
-            _trace.ACTIVE.copy_in_end(self, inp, world)
+            _trace.ACTIVE.copy_in_end(self.trace_key, inp, world)
         kept_input = None if inp is flat else inp
         if world == 1 or not isinstance(info, FSDPMeshInfo):
             # No collective: the copy-out reads the copy-in's result directly.
@@ -584,12 +495,12 @@ class FSDPParamGroup:
         # Never waited here: the wait is at wait_for_unshard, so a prefetched all-gather
         # overlaps compute (on CPU too, where gloo runs collectives on its own threads).
         in_flight = issue(
-            "all_gather",
+            CollectiveKind.ALL_GATHER,
             launch,
             group=pg,
             tensor=output,
             name=self._fqn,
-            trace_key=lambda: _trace.group_key(self),
+            trace_key=lambda: self.trace_key,
             streams=streams,
             stream=all_gather_stream,
             what=lambda: f"the all-gather of group '{self._fqn}'",
@@ -618,13 +529,13 @@ class FSDPParamGroup:
         if result is None:
             return
         if _trace.ACTIVE is not None:
-            _trace.ACTIVE.wait_begin(self)
+            _trace.ACTIVE.wait_begin(self.trace_key)
         streams = self.comm_ctx.streams(self.device)
         current = streams.current()
         if result.in_flight is not None:
             result.in_flight.wait(streams, current)
         if _trace.ACTIVE is not None:
-            _trace.ACTIVE.all_gather_done(self)
+            _trace.ACTIVE.all_gather_done(self.trace_key)
         self._all_gather_result = None
         if result.split_sizes:  # empty when the unsharded params alias the shards
             outs = tuple(t for p in self.fsdp_params for t in p.alloc_all_gather_outputs())
@@ -647,7 +558,7 @@ class FSDPParamGroup:
             p.to_unsharded()
         self._sharded_state = ShardedState.UNSHARDED
         if _trace.ACTIVE is not None:
-            _trace.ACTIVE.unshard_end(self)
+            _trace.ACTIVE.unshard_end(self.trace_key)
 
     def reshard(self) -> None:
         if self._training_state == TrainingState.FORWARD:
@@ -664,7 +575,7 @@ class FSDPParamGroup:
                 p.to_sharded()
             self._sharded_state = ShardedState.SHARDED
             if _trace.ACTIVE is not None:
-                _trace.ACTIVE.reshard(self)
+                _trace.ACTIVE.reshard(self.trace_key)
 
     def _to_sharded_post_forward(self) -> None:
         if self._sharded_state == ShardedState.UNSHARDED:
@@ -675,7 +586,7 @@ class FSDPParamGroup:
             self._reshard_after_forward_event = streams.current().record_event()
             self._sharded_state = ShardedState.SHARDED_POST_FORWARD
             if _trace.ACTIVE is not None:
-                _trace.ACTIVE.reshard(self)
+                _trace.ACTIVE.reshard(self.trace_key)
 
     @property
     def is_unsharded(self) -> bool:
@@ -715,7 +626,7 @@ class FSDPParamGroup:
     def post_backward(self) -> None:
         """Reshard and reduce this group's gradients (idempotent for unused groups)."""
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
-            return _trace.ACTIVE.time_hook("post_backward", self, self.post_backward)
+            return _trace.ACTIVE.time_hook("post_backward", self.trace_key, self.post_backward)
         self._training_state = TrainingState.POST_BACKWARD
         for p in self.fsdp_params:
             p.accumulate_unsharded_grad_if_needed()
@@ -740,21 +651,10 @@ class FSDPParamGroup:
         # unfroze them since, reduce and keep the grads in their own dtype, as torch does.
         orig_dtype = self._orig_dtype if self._orig_dtype is not None else grads[0].dtype
         streams = self.comm_ctx.streams(self.device)
-        if self._can_bucket():
-            group = self._all_reduce_group
-            assert group is not None
-            self.comm_ctx.grad_buckets.add(
-                self,
-                with_grad,
-                grads,
-                group,
-                self._reduce_dtype or grads[0].dtype,
-                orig_dtype,
-                streams,
-            )
-            return
+        traced_bytes = 0
         if _trace.ACTIVE is not None:
-            _trace.ACTIVE.grads_taken(self, grads)
+            traced_bytes = sum(g.numel() * g.element_size() for g in grads)
+            _trace.ACTIVE.grads_taken(self.trace_key, traced_bytes)
         reduction = GradientReduction(
             with_grad,
             grads,
@@ -772,10 +672,11 @@ class FSDPParamGroup:
             force_sum=self.force_sum_reduction_for_comms,
             streams=streams,
             group_name=self._fqn,
-            trace_key=lambda: _trace.group_key(self),
+            trace_key=lambda: self.trace_key,
             on_done=self._set_partial_reduce_output,
+            traced_bytes=traced_bytes,
         )
-        self.comm_ctx.start_reduction(reduction, self.device)
+        self.comm_ctx.reductions.submit(reduction, streams, bucketed=self._can_bucket())
 
     def _set_partial_reduce_output(self, partial: torch.Tensor | None) -> None:
         self._partial_reduce_output = partial
@@ -796,7 +697,8 @@ class FSDPParamGroup:
 
     def _can_bucket(self) -> bool:
         """Replicate-only groups with default reduction share gradient buckets (see
-        ``_grad_buckets``); anything customized keeps its own all-reduce."""
+        ``ReductionSchedule.submit``), on every device; anything customized keeps its own
+        all-reduce."""
         return (
             isinstance(self.mesh_info, DDPMeshInfo)
             and not isinstance(self.mesh_info, FSDPMeshInfo)
@@ -806,10 +708,6 @@ class FSDPParamGroup:
             and self.gradient_divide_factor is None
             and not self.force_sum_reduction_for_comms
             and self._all_reduce_hook is None
-            # Where the host waits for collectives (CPU), one all-reduce per group costs a
-            # wait each; on stream-ordered devices they overlap backward on their own stream
-            # (and per-group all-reduces match torch's replicate in time as in values).
-            and not self.comm_ctx.streams(self.device).stream_ordered
         )
 
     def finalize_backward(self) -> None:
@@ -824,7 +722,7 @@ class FSDPParamGroup:
                 streams.all_gather_waits(current.record_event())
             self._all_gather_result = None
             if _trace.ACTIVE is not None:
-                _trace.ACTIVE.discard_unshard(self)
+                _trace.ACTIVE.discard_unshard(self.trace_key)
         self._post_forward_indices.clear()
 
     def reset_iter_state(self) -> None:
@@ -833,7 +731,7 @@ class FSDPParamGroup:
         if result is not None and result.in_flight is not None:
             result.in_flight.abandon()
         if result is not None and _trace.ACTIVE is not None:
-            _trace.ACTIVE.discard_unshard(self)
+            _trace.ACTIVE.discard_unshard(self.trace_key)
         self._all_gather_result = None
         self._partial_reduce_output = None
         self._reshard_after_forward_event = None
@@ -911,6 +809,38 @@ class FSDPParamGroup:
     @property
     def _fqn(self) -> str:
         return self._module_fqn or "<root>"
+
+    @property
+    def fqn(self) -> str:
+        """The module FQN(s) of this group (``"<root>"`` for the root module)."""
+        return self._fqn
+
+    @property
+    def trace_key(self) -> str:
+        """The tracer's key for this group (see Design note: traced quantities, ``_trace``)."""
+        return _trace.group_key(self._fqn, self._param_group_index, self._num_param_groups)
+
+    def consistency_lines(self, index: int) -> list[str]:
+        """What every rank must agree on about this group, one fact per line (the root's
+        cross-rank check, ``_consistency.describe_groups``)."""
+        info = self.mesh_info
+        post = self.post_forward_mesh_info
+        post_desc = (
+            "none" if post is None else ("same" if post is info else str(post.shard_mesh_size))
+        )
+        lines = [
+            f"group {index} '{self._module_fqn}': {type(info).__name__} "
+            f"shard={getattr(info, 'shard_mesh_size', 1)} "
+            f"replicate={getattr(info, 'replicate_mesh_size', 1)} "
+            f"reshard_after_forward={post_desc} mp={self.mp_policy} "
+            f"offload={type(self.offload_policy).__name__}"
+        ]
+        for p in self.fsdp_params:
+            lines.append(
+                f"  param '{p.param_fqn}': shape={tuple(p.orig_size)} dtype={p.orig_dtype} "
+                f"requires_grad={p.sharded_param.requires_grad} shard_dim={p.shard_dim}"
+            )
+        return lines
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup(fqn={self._module_fqn}, params={len(self.fsdp_params)})"

@@ -239,7 +239,11 @@ class FSDPState:
                 group.lazy_init()
         groups = [g for s in ctx.all_states for g in s._fsdp_param_groups]
         nonce = check_ranks_agree(
-            describe_groups(groups, repr(self._mp_policy), self.api.name),
+            describe_groups(
+                [g.consistency_lines(i) for i, g in enumerate(groups)],
+                repr(self._mp_policy),
+                self.api.name,
+            ),
             self._mesh_info,
             self._device,
             self.api.name,
@@ -335,13 +339,19 @@ class FSDPState:
                         )
                     seen[p.orig_param_uid] = p.param_fqn
 
+    @property
+    def _trace_key(self) -> str:
+        """The tracer files this state's hook times under its first group's bare FQN."""
+        groups = self._fsdp_param_groups
+        return groups[0].fqn if groups else "<no params>"
+
     # --- forward ------------------------------------------------------------------------------
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:  # see _trace
             return _trace.ACTIVE.time_hook(
-                "pre_forward", self, self._pre_forward, module, args, kwargs
+                "pre_forward", self._trace_key, self._pre_forward, module, args, kwargs
             )
         if self._training_state == TrainingState.PRE_BACKWARD:
             # Activation-checkpoint recompute inside backward: just make the params available.
@@ -393,7 +403,7 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
             return _trace.ACTIVE.time_hook(
-                "post_forward", self, self._post_forward, module, args, output
+                "post_forward", self._trace_key, self._post_forward, module, args, output
             )
         if self._training_state == TrainingState.PRE_BACKWARD:
             return self._cast_output(output)
@@ -453,7 +463,9 @@ class FSDPState:
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
-            return _trace.ACTIVE.time_hook("pre_backward", self, self._pre_backward, grad)
+            return _trace.ACTIVE.time_hook(
+                "pre_backward", self._trace_key, self._pre_backward, grad
+            )
         self._training_state = TrainingState.PRE_BACKWARD
         _fault.enter_phase(_fault.Phase.BACKWARD)  # the watchdog's position
         self._queue_final_callback()
@@ -487,8 +499,7 @@ class FSDPState:
         # Only the reductions: the iteration's states stay as they are for the backward through
         # the rest of the model, which runs the final callback.
         try:
-            self._comm_ctx.grad_buckets.finish()
-            self._comm_ctx.finish_reductions()
+            self._comm_ctx.reductions.finish()
         finally:
             self._state_ctx.reductions_callback_queued = False
 
@@ -504,8 +515,7 @@ class FSDPState:
                         group.post_backward()
                     group._training_state = TrainingState.IDLE
                 state._training_state = TrainingState.IDLE
-            self._comm_ctx.grad_buckets.finish()
-            self._comm_ctx.finish_reductions()
+            self._comm_ctx.reductions.finish()
             if ctx.is_last_backward:
                 for state in ctx.all_states:
                     for group in state._fsdp_param_groups:
@@ -529,7 +539,6 @@ class FSDPState:
             state._training_state = TrainingState.IDLE
             for group in state._fsdp_param_groups:
                 group.reset_iter_state()
-        self._comm_ctx.grad_buckets.clear()
         self._comm_ctx.abandon_reductions()
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False

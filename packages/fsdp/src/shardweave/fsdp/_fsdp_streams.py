@@ -73,9 +73,9 @@ Design note: stream ordering
     (int reshard)                                                           streams wait (point 4)
     reduce-scatter input    current      ``GradientReduction.               the current stream
                                          reduce_scatter_input``, in the     waits for the
-                                         comm context's queue               reduce-scatter event
+                                         ``ReductionSchedule``'s queue      reduce-scatter event
                                                                             (point 6)
-    reduce-scatter output   reduce-      ``FSDPCommContext.                 the reduce-scatter
+    reduce-scatter output   reduce-      ``ReductionSchedule.               the reduce-scatter
     used on another stream  scatter      _all_reduce_buffers``              stream waits for the
                                                                             post-reduce event
                                                                             (point 8)
@@ -88,13 +88,13 @@ Design note: stream ordering
     (pinned host memory,    scatter /    comm context's offload events      after it synchronized
     non-blocking copy)      all-reduce                                      every offload event
                                                                             (point 7)
-    replicate bucket        current      ``_Bucket.buffer``                 the end of backward,
-    (CPU only)                                                              after the current
-                                                                            stream waited
+    replicate bucket: its   current /    as the reduce-scatter input and    points 6 and 8: a
+    input and its output    reduce-      output above (a bucket is one      bucket is one
+                            scatter      ``GradientReduction``)             reduction
     ======================  ===========  =================================  =====================
 
     Collectives are issued as torch's FSDP2 issues them: on stream-ordered devices with
-    ``async_op=False`` inside ``stream(...)`` (``_fsdp_collectives.issue``), so the backend
+    ``async_op=False`` inside ``stream(...)`` (``_seam.issue``), so the backend
     runs them on that stream and the event recorded after them orders every consumer;
     nothing here relies on the backend keeping tensors alive (NCCL's own stashing is an
     implementation detail): the table above does. On CPU (``CommStreams.stream_ordered`` is
@@ -113,8 +113,7 @@ Design note: stream ordering
 
     Branches still taken on one kind of device only (``stream_ordered`` or the device type):
     the host wait on a ``Work`` and the early storage release (CPU; gloo completes on the
-    host), replicate's gradient buckets (CPU: one host wait per bucket instead of per group),
-    ``_fault.wait``'s timed polling and the collective checks' timed waits (CPU; NCCL times
+    host), ``_fault.wait``'s timed polling and the collective checks' timed waits (CPU; NCCL times
     a wait from the issue), the watchdog's abort of the process group (accelerators), the
     stream priorities (CUDA), pinned flat storage and the non-blocking host-to-device /
     device-to-host copies of CPU offload (only when the compute device is not the CPU).

@@ -55,16 +55,15 @@ Design note: traced quantities
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, ParamSpec, TypeVar
+from typing import Final, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
+from shardweave.fsdp._fsdp_common import CollectiveKind
 
 __all__ = [
     "ACTIVE",
@@ -94,11 +93,11 @@ class CollectiveRecord:
         with trace() as tracer:
             model(batch).sum().backward()
         for c in tracer.collectives:
-            if c.kind == "all_gather" and c.exposed_ns is not None:
+            if c.kind == CollectiveKind.ALL_GATHER and c.exposed_ns is not None:
                 print(c.group, c.step, c.nbytes, len(c.ranks), c.exposed_ns / 1e6, "ms exposed")
     """
 
-    kind: str  # one of COLLECTIVE_KINDS
+    kind: CollectiveKind
     group: str
     step: int
     nbytes: int
@@ -193,21 +192,10 @@ def now() -> int:
     return ACTIVE.now() if ACTIVE is not None else 0
 
 
-def group_key(group: FSDPParamGroup) -> str:
-    """The tracer's key for ``group`` (see Design note: traced quantities)."""
-    return _group_key(group)
-
-
-def _group_key(group: FSDPParamGroup) -> str:
-    fqn = group._fqn
-    return fqn if group._num_param_groups == 1 else f"{fqn}#{group._param_group_index}"
-
-
-def _owner_key(owner: object) -> str:
-    groups = getattr(owner, "_fsdp_param_groups", None)
-    if groups is None:  # a param group
-        return _group_key(owner)  # type: ignore[arg-type]
-    return str(groups[0]._fqn) if groups else "<no params>"
+def group_key(fqn: str, index: int, count: int) -> str:
+    """The tracer's key for group ``index`` of the ``count`` groups of the state at module
+    ``fqn`` (see Design note: traced quantities). Engine code passes keys, never groups."""
+    return fqn if count == 1 else f"{fqn}#{index}"
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -234,8 +222,6 @@ class TraceRecorder:
         self._grads = 0
         self._live: dict[str, int] = {}  # group key -> gathered bytes it holds
         self._unshards: dict[str, _Unshard] = {}
-        self._reducing = ""  # the group whose gradient reduction is starting
-        self._reducing_grad_bytes = 0
         self._ranks: dict[int, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
         self._running = False
 
@@ -301,14 +287,11 @@ class TraceRecorder:
         return time.perf_counter_ns() - self._t0
 
     # --- engine instrumentation points (see Design note: tracing hooks) -----------------------
-    def unshard_begin(self, group: FSDPParamGroup) -> None:
-        self._unshards[_group_key(group)] = _Unshard(self.now())
+    def unshard_begin(self, key: str) -> None:
+        self._unshards[key] = _Unshard(self.now())
 
-    def copy_in_end(
-        self, group: FSDPParamGroup, all_gather_input: torch.Tensor, world: int
-    ) -> None:
+    def copy_in_end(self, key: str, all_gather_input: torch.Tensor, world: int) -> None:
         now = self.now()
-        key = _group_key(group)
         pending = self._unshards.get(key)
         if pending is not None:
             self.spans.append(
@@ -317,29 +300,28 @@ class TraceRecorder:
         self._change(now, key, "unshard", world * _nbytes(all_gather_input))
 
     def collective_issue(
-        self, kind: str, key: str, tensor: torch.Tensor, pg: dist.ProcessGroup
+        self, kind: CollectiveKind, key: str, tensor: torch.Tensor, pg: dist.ProcessGroup
     ) -> CollectiveRecord:
         """The collective seam issued ``kind`` for ``key`` (its wait completes the record)."""
         record = CollectiveRecord(
             kind, key, self._step, _nbytes(tensor), self._group_ranks(pg), self.now()
         )
         self.collectives.append(record)
-        if kind == "all_gather":
+        if kind == CollectiveKind.ALL_GATHER:
             pending = self._unshards.get(key)
             if pending is not None:
                 pending.collective = record
         return record
 
-    def wait_begin(self, group: FSDPParamGroup) -> None:
-        pending = self._unshards.get(_group_key(group))
+    def wait_begin(self, key: str) -> None:
+        pending = self._unshards.get(key)
         if pending is not None:
             pending.wait_ns = self.now()
             if pending.collective is not None:
                 pending.collective.wait_ns = pending.wait_ns
 
-    def all_gather_done(self, group: FSDPParamGroup) -> None:
+    def all_gather_done(self, key: str) -> None:
         now = self.now()
-        key = _group_key(group)
         pending = self._unshards.get(key)
         if pending is None:
             return
@@ -347,9 +329,8 @@ class TraceRecorder:
         if pending.collective is not None and pending.wait_ns is not None:
             self.spans.append(SpanRecord("wait", "wait", key, self._step, pending.wait_ns, now))
 
-    def unshard_end(self, group: FSDPParamGroup) -> None:
+    def unshard_end(self, key: str) -> None:
         now = self.now()
-        key = _group_key(group)
         pending = self._unshards.pop(key, None)
         if pending is None:
             return
@@ -359,42 +340,30 @@ class TraceRecorder:
             )
         self.spans.append(SpanRecord("unshard", "unshard", key, self._step, pending.begin_ns, now))
 
-    def reshard(self, group: FSDPParamGroup) -> None:
-        key = _group_key(group)
+    def reshard(self, key: str) -> None:
         self._change(self.now(), key, "reshard", -self._live.get(key, 0))
 
-    def discard_unshard(self, group: FSDPParamGroup) -> None:
+    def discard_unshard(self, key: str) -> None:
         """An issued all-gather dropped without copy-out (an unconsumed prefetch, a reset)."""
         now = self.now()
-        key = _group_key(group)
         pending = self._unshards.pop(key, None)
         if pending is not None and pending.collective is not None:
             pending.collective.complete_ns = now
         self._change(now, key, "discard", -self._live.get(key, 0))
 
-    def grads_taken(self, group: FSDPParamGroup, grads: Iterable[torch.Tensor]) -> None:
-        self._reducing = _group_key(group)
-        self._reducing_grad_bytes = sum(_nbytes(g) for g in grads)
-        self._change(self.now(), self._reducing, "grads_taken", self._reducing_grad_bytes)
-
-    def grads_reduced(self) -> None:
-        self._change(self.now(), self._reducing, "grads_reduced", -self._reducing_grad_bytes)
-        self._reducing_grad_bytes = 0
-
-    # Replicate gradient buckets (``_grad_buckets``): one all-reduce for several groups, issued
-    # asynchronously and waited at the end of backward.
-    def bucket_grads(self, group: FSDPParamGroup, nbytes: int) -> str:
-        key = _group_key(group)
+    def grads_taken(self, key: str, nbytes: int) -> None:
+        """A group's post-backward took ``nbytes`` of unsharded gradients to reduce."""
         self._change(self.now(), key, "grads_taken", nbytes)
-        return key
 
-    def bucket_grads_copied(self, key: str, nbytes: int) -> None:
+    def grads_reduced(self, key: str, nbytes: int) -> None:
+        """They were copied into a reduction's input (for a bucket, when it started)."""
         self._change(self.now(), key, "grads_reduced", -nbytes)
 
     def time_hook(
-        self, name: str, owner: object, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs
+        self, name: str, key: str, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs
     ) -> _R:
-        """Run the hook ``fn`` (which re-enters itself untimed) and record its times."""
+        """Run the hook ``fn`` (which re-enters itself untimed) and record its times under
+        ``key`` (a group's key; a state's hooks under its bare FQN)."""
         self.hook_depth += 1
         wall = time.perf_counter_ns()
         cpu = time.thread_time_ns()
@@ -408,7 +377,7 @@ class TraceRecorder:
                 SpanRecord(
                     "hook",
                     name,
-                    _owner_key(owner),
+                    key,
                     self._step,
                     wall - self._t0,
                     end - self._t0,

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
-from shardweave.fsdp._fsdp_common import COLLECTIVE_KINDS
+from shardweave.fsdp._fsdp_common import CollectiveKind
 from shardweave.fsdp._trace import TraceRecorder
 
 __all__ = ["FSDPTracer", "trace"]
@@ -91,7 +91,7 @@ class FSDPTracer(TraceRecorder):
                             "exposed_ms": 0.0,
                             "unwaited": 0,
                         }
-                        for k in COLLECTIVE_KINDS
+                        for k in (kind.value for kind in CollectiveKind)
                     },
                     "copy_in_ms": 0.0,
                     "copy_out_ms": 0.0,
@@ -104,7 +104,7 @@ class FSDPTracer(TraceRecorder):
         def mine(record_step: int) -> bool:
             return step is None or record_step == step
 
-        totals = {k: {"count": 0, "bytes": 0} for k in COLLECTIVE_KINDS}
+        totals = {k.value: {"count": 0, "bytes": 0} for k in CollectiveKind}
         for c in self.collectives:
             if not mine(c.step):
                 continue
@@ -174,40 +174,24 @@ class FSDPTracer(TraceRecorder):
     def summary_table(self, step: int | None = None) -> str:
         """``summary()`` as a text table, over all steps or for one."""
         data = self._summarize(step)
-        header = (
-            "group",
-            "unshard",
-            "AG n",
-            "AG bytes",
-            "AG ms (exposed)",
-            "RS n",
-            "RS bytes",
-            "RS ms",
-            "AR n",
-            "AR bytes",
-            "AR ms",
-            "copy-in ms",
-            "copy-out ms",
-            "hooks ms",
-            "peak gathered",
-        )
-        rows = [header]
+        header: tuple[str, ...] = ("group", "unshard")
+        for kind in CollectiveKind:
+            ms = "ms (exposed)" if kind == CollectiveKind.ALL_GATHER else "ms"
+            header += (f"{kind.abbrev} n", f"{kind.abbrev} bytes", f"{kind.abbrev} {ms}")
+        header += ("copy-in ms", "copy-out ms", "hooks ms", "peak gathered")
+        rows: list[tuple[str, ...]] = [header]
         for key, g in data["groups"].items():
-            ag, rs, ar = (g[k] for k in COLLECTIVE_KINDS)
             hooks = sum(h["wall_ms"] for h in g["hooks"].values())
+            row: tuple[str, ...] = (key, str(g["unshard"]))
+            for kind in CollectiveKind:
+                c = g[kind]
+                ms = f"{c['time_ms']:.3f}"
+                if kind == CollectiveKind.ALL_GATHER:
+                    ms += f" ({c['exposed_ms']:.3f})"
+                row += (str(c["count"]), str(c["bytes"]), ms)
             rows.append(
                 (
-                    key,
-                    str(g["unshard"]),
-                    str(ag["count"]),
-                    str(ag["bytes"]),
-                    f"{ag['time_ms']:.3f} ({ag['exposed_ms']:.3f})",
-                    str(rs["count"]),
-                    str(rs["bytes"]),
-                    f"{rs['time_ms']:.3f}",
-                    str(ar["count"]),
-                    str(ar["bytes"]),
-                    f"{ar['time_ms']:.3f}",
+                    *row,
                     f"{g['copy_in_ms']:.3f}",
                     f"{g['copy_out_ms']:.3f}",
                     f"{hooks:.3f}",
@@ -356,7 +340,7 @@ class _Lanes:
         "wait",
         "unshard",
         "reshard",
-        *COLLECTIVE_KINDS,
+        *CollectiveKind,
     )
 
     def __init__(self, events: list[dict[str, Any]], pid: int) -> None:

@@ -77,6 +77,7 @@ from typing import Any, Final
 import torch.distributed as dist
 
 from shardweave.fsdp import _channel, _fault
+from shardweave.fsdp._fsdp_common import CollectiveKind
 
 __all__ = [
     "IDLE_ENV",
@@ -106,7 +107,7 @@ class Tracked:
 
     step: int
     seq: int
-    kind: str
+    kind: CollectiveKind
     group: str  # the issuing group's module FQN
     pg: dist.ProcessGroup
     device_type: str
@@ -156,11 +157,7 @@ class Tracked:
 
 
 # --- positions: what a rank publishes and how a peer reads it --------------------------------
-_KIND_WORDS: Final = {
-    "all_gather": "all-gather",
-    "reduce_scatter": "reduce-scatter",
-    "all_reduce": "all-reduce",
-}
+_KIND_WORDS: Final = {kind.value: kind.words for kind in CollectiveKind}
 
 
 def _brief_text(brief: list[Any]) -> str:

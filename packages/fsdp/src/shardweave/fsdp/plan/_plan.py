@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+from shardweave.fsdp._fsdp_common import CollectiveKind
 from shardweave.fsdp.plan._activations import (
     LossFn,
     SampleInput,
@@ -194,6 +195,7 @@ def plan(
     backend: str = "nccl",
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     offload: bool = False,
+    reduce_scatter_max_input_buffers: int = 1,
 ) -> Plan:
     """Predict per-rank memory and per-step communication of ``fully_shard`` on ``mesh``.
 
@@ -243,6 +245,9 @@ def plan(
         offload: ``CPUOffloadPolicy``: sharded parameters, sharded gradients and optimizer
             state live in host memory (``Plan.host_bytes``) and leave the device peaks; each
             all-gather first copies the shards to the device (a communication buffer).
+        reduce_scatter_max_input_buffers: ``FSDPModule.set_reduce_scatter_max_input_buffers``:
+            how many reduce-scatter inputs stay alive in backward (the engine's retirement
+            rule, ``_reduction.reduce_scatters_to_retire``, read by the replay).
 
     Returns:
         A ``Plan``: totals (``sharded_param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``,
@@ -312,6 +317,7 @@ def plan(
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
         set_to_none=set_to_none,
+        reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
     )
     final: list[GroupPlan] = []
     for gp in groups:
@@ -333,16 +339,16 @@ def plan(
     sharded = sum(g.sharded_param_bytes for g in final)
     grads = sum(g.grad_bytes for g in final)
     opt0 = sum(g.optimizer_state_bytes for g in final)
-    comm = {
-        "all_gather": sum(g.all_gather_bytes for g in final),
-        "reduce_scatter": sum(g.reduce_scatter_bytes for g in final),
-        "all_reduce": sum(g.all_reduce_bytes for g in final),
+    # Per kind, from GroupPlan's fields named after it ("<kind>_bytes", "<kind>s_per_step");
+    # a kind the planner does not model (no such fields) is predicted as 0.
+    comm: dict[str, int] = {
+        kind.value: sum(getattr(g, f"{kind.value}_bytes", 0) for g in final)
+        for kind in CollectiveKind
     }
     comm["total"] = sum(comm.values())
     collectives = {
-        "all_gather": sum(g.all_gathers_per_step for g in final),
-        "reduce_scatter": sum(g.reduce_scatters_per_step for g in final),
-        "all_reduce": sum(g.all_reduces_per_step for g in final),
+        kind.value: sum(getattr(g, f"{kind.value}s_per_step", 0) for g in final)
+        for kind in CollectiveKind
     }
     opt_last = sum(g.last_rank_optimizer_state_bytes for g in final)
     host = sharded + grads + opt0 if offload else 0
@@ -357,6 +363,7 @@ def plan(
             backward_prefetch=backward_prefetch,
             set_to_none=set_to_none,
             keep_timeline=False,
+            reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
         )
         fake = run_fake_step(
             model, fake_tensors, specs, replay, sample_input, loss_fn, mp.param_dtype

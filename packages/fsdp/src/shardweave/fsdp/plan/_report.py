@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
+from shardweave.fsdp._fsdp_common import CollectiveKind
 from shardweave.fsdp.plan._model import ROOT_KEY, GroupSpec
 
 if TYPE_CHECKING:
@@ -191,10 +192,10 @@ def format_table(plan: Plan) -> str:
         "",
         "per step per rank (logical payload)",
     ]
-    for kind_name in ("all_gather", "reduce_scatter", "all_reduce"):
+    for kind in CollectiveKind:
         lines.append(
-            f"  {kind_name:<22}{format_bytes(plan.comm_bytes[kind_name]):>12}  in "
-            f"{plan.collectives[kind_name]} collectives"
+            f"  {kind.value:<22}{format_bytes(plan.comm_bytes[kind]):>12}  in "
+            f"{plan.collectives[kind]} collectives"
         )
     lines += ["", "groups (forward order; identical neighbours collapsed)"]
     header = ("group", "type", "params", "gathered", "AG/step", "RS bytes", "AR bytes", "reshard")

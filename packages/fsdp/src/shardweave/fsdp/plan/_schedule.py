@@ -25,9 +25,12 @@ Design note: the modeled step
     post-backward takes the group's *unsharded gradients*, frees the gathered parameters,
     and starts the reduction: the reduce-scatter input (``W x`` padded shard, reduce dtype)
     is allocated, the unsharded gradients are freed, the output (one padded shard) is
-    allocated and the reduce-scatter issued. At most one reduce-scatter is in flight: the
-    next post-backward first finishes the previous one (its input is freed; under HSDP its
-    all-reduce is issued and finished at the post-backward after that), then the output
+    allocated and the reduce-scatter issued. When each reduction is retired is the engine's
+    rule, read from ``_reduction`` (``reduce_scatters_to_retire``, as ``ReductionSchedule``
+    applies it): the next post-backward first finishes the all-reduces issued at earlier
+    retirements, then retires the oldest reduce-scatters until at most
+    ``reduce_scatter_max_input_buffers`` inputs are alive with its own (its input is freed;
+    under HSDP its all-reduce is issued and finished at a later post-backward), then the output
     becomes the *sharded gradients* (or is cast to the parameter dtype, a new tensor, and
     freed). The root's post-backward, and that of a module whose inputs need no grad, run in
     the final callback (root first), which then finishes every reduction.
@@ -42,6 +45,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
+
+from shardweave.fsdp._reduction import reduce_scatters_to_retire
 
 __all__ = [
     "CATEGORIES",
@@ -150,6 +155,7 @@ class Replay:
         backward_prefetch: int = 1,
         set_to_none: bool = True,
         keep_timeline: bool = True,
+        reduce_scatter_max_input_buffers: int = 1,
     ) -> None:
         self.groups = {g.key: g for g in groups}
         self.order = [g.key for g in groups]
@@ -158,6 +164,7 @@ class Replay:
         self.backward_prefetch = backward_prefetch
         self.set_to_none = set_to_none
         self.keep_timeline = keep_timeline
+        self.max_input_buffers = reduce_scatter_max_input_buffers
         self.state = dict.fromkeys(self.order, _State.SHARDED)
         self.pending: set[str] = set()
         self.pending_from_post_forward: set[str] = set()
@@ -337,7 +344,9 @@ class Replay:
         for red in self.all_reduces:
             self._finish(red)
         self.all_reduces.clear()
-        while self.reduce_scatters:
+        for _ in range(
+            reduce_scatters_to_retire(len(self.reduce_scatters), self.max_input_buffers)
+        ):
             self._retire(self.reduce_scatters.pop(0))
         self.add("comm_buffers", g.reduce_scatter_layout_bytes, key, "gradient re-layout")
         self.add("comm_buffers", g.reduce_scatter_input_bytes, key, "reduce-scatter input")
@@ -430,6 +439,7 @@ def simulate_step(
     forward_prefetch: int = 0,
     backward_prefetch: int = 1,
     set_to_none: bool = True,
+    reduce_scatter_max_input_buffers: int = 1,
 ) -> ScheduleResult:
     """Replay one step over ``groups`` (forward order, root first); see Design note above."""
     if not groups:
@@ -439,4 +449,5 @@ def simulate_step(
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
         set_to_none=set_to_none,
+        reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
     ).walk()

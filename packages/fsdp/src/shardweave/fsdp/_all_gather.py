@@ -1,0 +1,92 @@
+"""A group's all-gather copy-in (the 1D input) and copy-out (the gathered buffer split into
+each parameter's unsharded tensor). See Design note: tensor vocabulary (``_fsdp_common``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardweave.fsdp._fsdp_param import FSDPParam
+from shardweave.fsdp._seam import InFlight
+
+__all__ = ["AllGatherResult", "all_gather_copy_in", "all_gather_copy_out"]
+
+
+@dataclass
+class AllGatherResult:
+    """An issued all-gather whose copy-out has not run yet."""
+
+    output: torch.Tensor  # 1D, world_size * input numel, rank-major
+    in_flight: InFlight | None  # None when nothing was gathered (one rank per shard)
+    world_size: int
+    split_sizes: list[int]  # each param's numel per rank, in units of ``output``'s dtype
+    as_bytes: bool  # output is uint8 because the inputs' dtypes differed
+    post_forward: bool  # gathered from the post-forward shards (already in final layout)
+    # The all-gather input when it is not the sharded storage itself (a cast, a
+    # concatenation): read on the all-gather stream, so kept as long as the output.
+    input: torch.Tensor | None = None
+
+
+def all_gather_copy_in(
+    fsdp_params: Sequence[FSDPParam],
+    flat_sharded: torch.Tensor | None,
+    param_dtype: torch.dtype | None,
+    device: torch.device,
+    post_forward: bool,
+) -> tuple[torch.Tensor, list[int], bool]:
+    """The 1D all-gather input, each param's numel in it, and whether it is a byte view.
+
+    With the group's flat sharded storage (see Design note: flat storage in
+    ``_fsdp_param_group``) the input *is* the storage, or one cast of it: no per-parameter copy.
+    """
+    if flat_sharded is not None and not post_forward:
+        data = flat_sharded
+        if data.device != device:
+            data = data.to(device, non_blocking=True)
+        if param_dtype is not None and data.dtype != param_dtype:
+            data = data.to(param_dtype)
+        return data, [p.padded_sharded_numel for p in fsdp_params], False
+    inputs = [t for p in fsdp_params for t in p.all_gather_inputs()]
+    dtypes = {t.dtype for t in inputs}
+    as_bytes = len(dtypes) > 1
+    if as_bytes:
+        # Mixed dtypes (e.g. frozen bf16 beside fp32) travel as one byte buffer.
+        inputs = [t.contiguous().view(torch.uint8) for t in inputs]
+    sizes = [t.numel() for t in inputs]
+    if len(inputs) == 1:
+        return inputs[0], sizes, as_bytes
+    return torch.cat(inputs), sizes, as_bytes
+
+
+def all_gather_copy_out(result: AllGatherResult, fsdp_params: Sequence[FSDPParam]) -> None:
+    """Split the gathered buffer into each parameter's all-gather output in one pass."""
+    world = result.world_size
+    outs: list[torch.Tensor] = []
+    fixups: list[tuple[FSDPParam, torch.Tensor]] = []
+    for fsdp_param in fsdp_params:
+        targets = fsdp_param.alloc_all_gather_outputs()
+        if fsdp_param.shard_dim != 0 and not result.post_forward and not fsdp_param.has_extension:
+            # Rows of a dim-d shard are chunks along d: gather into a scratch buffer, then
+            # concatenate along d into the real layout.
+            scratch = torch.empty_like(targets[0])
+            fixups.append((fsdp_param, scratch))
+            targets = [scratch]
+        for target in targets:
+            if result.as_bytes:
+                target = target.view(torch.uint8)
+            outs.append(target.view(world, -1))
+    gathered = result.output.view(world, -1)
+    if len(outs) == 1:
+        outs[0].copy_(gathered)
+    else:
+        torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outs)
+    for fsdp_param, scratch in fixups:
+        shards = scratch.view(world * fsdp_param.padded_sharded_size[0], -1)
+        pieces = [c.view(fsdp_param.padded_sharded_size) for c in torch.chunk(shards, world, dim=0)]
+        torch.cat(
+            pieces,
+            dim=fsdp_param.shard_dim,
+            out=fsdp_param.all_gather_output.view(fsdp_param.orig_size),
+        )
