@@ -67,7 +67,7 @@ def all_gather_copy_out(result: AllGatherResult, fsdp_params: Sequence[FSDPParam
     fixups: list[tuple[FSDPParam, torch.Tensor]] = []
     for fsdp_param in fsdp_params:
         targets = fsdp_param.alloc_all_gather_outputs()
-        if fsdp_param.shard_dim != 0 and not result.post_forward and not fsdp_param.has_extension:
+        if fsdp_param.gathers_rows_of_shard_dim(result.post_forward):
             # Rows of a dim-d shard are chunks along d: gather into a scratch buffer, then
             # concatenate along d into the real layout.
             scratch = torch.empty_like(targets[0])

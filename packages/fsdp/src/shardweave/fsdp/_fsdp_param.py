@@ -411,8 +411,17 @@ class FSDPParam:
         self._all_gather = found or _FLAT_ALL_GATHER
 
     @property
-    def has_extension(self) -> bool:
-        return self._all_gather.is_extension
+    def gathers_flat_shard(self) -> bool:
+        """Whether this parameter's all-gather input is its own flat shard (cast at most), so
+        a group may gather a flat buffer of such parameters in one cast; a parameter whose
+        all-gather its kind provides makes its own inputs."""
+        return not self._all_gather.is_extension
+
+    def gathers_rows_of_shard_dim(self, post_forward: bool) -> bool:
+        """Whether the gathered rows of this parameter are chunks along a dim other than 0,
+        to be concatenated along ``shard_dim`` into the unsharded layout after the copy-out (a
+        kind's own all-gather lays out its outputs itself; the post-forward shard is flat)."""
+        return self.shard_dim != 0 and not post_forward and not self._all_gather.is_extension
 
     @property
     def module(self) -> nn.Module:
@@ -545,7 +554,7 @@ class FSDPParam:
                 f"an int reshard_after_forward is not supported for DTensor parameter "
                 f"'{self.param_fqn}' (tensor parallel); pass True or False"
             )
-        if self.has_extension:
+        if self._all_gather.is_extension:
             # The post-forward shard is a slice of the flat all-gather output, which an
             # fsdp_pre/post_all_gather parameter does not have (torch does not support it
             # either); raised here, in forward, on every rank alike.

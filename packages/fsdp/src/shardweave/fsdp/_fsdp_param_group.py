@@ -371,8 +371,8 @@ class FSDPParamGroup:
         params = self.fsdp_params
         dtypes = {p.param_dtype for p in params}
         # The flat fast path casts the whole buffer at once, so every param must want the same.
-        # Extensions produce their own inputs, so the flat fast path does not apply.
-        self._param_dtypes_uniform = len(dtypes) == 1 and not any(p.has_extension for p in params)
+        # A parameter whose kind makes its own all-gather inputs rules the flat fast path out.
+        self._param_dtypes_uniform = len(dtypes) == 1 and all(p.gathers_flat_shard for p in params)
         self._uniform_param_dtype = next(iter(dtypes)) if self._param_dtypes_uniform else None
 
     def _validate_no_meta_params(self) -> None:
