@@ -62,6 +62,15 @@ def _set_local_tensor(param: torch.Tensor, local: torch.Tensor) -> None:
     cast(DTensor, param)._local_tensor = local
 
 
+def _setattr_on_module(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    # Writing _parameters directly skips nn.Module.__setattr__'s checks, which cost real time
+    # with thousands of parameters; modules overriding __setattr__ keep it.
+    if type(module).__setattr__ is nn.Module.__setattr__:
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
+
+
 class _AllGatherStrategy(Protocol):
     """How one parameter travels through its group's all-gather and comes back unsharded."""
 
@@ -591,17 +600,13 @@ class FSDPParam:
         self._sharded_post_forward_param = None
 
     def _setattr_on_modules(self, param: nn.Parameter) -> None:
+        # Runs for every parameter at every unshard and reshard: the common case (one module,
+        # no tied aliases) builds no tuple and no zip.
         info = self._module_info
-        for module, name in (
-            (info.module, info.param_name),
-            *zip(info.shared_modules, info.shared_param_names, strict=True),
-        ):
-            # Writing _parameters directly skips nn.Module.__setattr__'s checks, which cost
-            # real time with thousands of parameters; modules overriding __setattr__ keep it.
-            if type(module).__setattr__ is nn.Module.__setattr__:
-                module._parameters[name] = param
-            else:
-                setattr(module, name, param)
+        _setattr_on_module(info.module, info.param_name, param)
+        if info.shared_modules:
+            for module, name in zip(info.shared_modules, info.shared_param_names, strict=True):
+                _setattr_on_module(module, name, param)
 
     # --- gradients ----------------------------------------------------------------------------
     def accumulate_unsharded_grad_if_needed(self) -> None:
