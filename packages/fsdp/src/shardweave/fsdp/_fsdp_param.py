@@ -245,6 +245,7 @@ class FSDPParam:
         self.sharded_size = shard_size(data.size(), world, rank, shard_dim)
         self.padded_sharded_size = padded_shard_size(data.size(), world, shard_dim)
         self.padded_sharded_numel = self.padded_sharded_size.numel()
+        self._padded_strides = contiguous_strides(self.padded_sharded_size)  # see _local_view
         self.sharded_numel = self.sharded_size.numel()
         padded = data.new_zeros(self.padded_sharded_size, device=data.device)
         if chunks[rank].numel() > 0:
@@ -269,7 +270,17 @@ class FSDPParam:
         self._installed_local: torch.Tensor = _local_tensor(sharded)
 
     def _local_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded shard as a view of a flat padded buffer."""
+        """This rank's unpadded shard as a view of a flat padded buffer.
+
+        Runs for every gradient at every reduction: one ``as_strided`` (the strides of the
+        padded shape, cut to this rank's size on the shard dim) costs a third of the
+        ``view(padded_size).narrow(...)`` it equals. An empty or non-contiguous buffer takes
+        that spelling, which also says what the fast one computes.
+        """
+        if self.padded_sharded_numel > 0 and padded_flat.is_contiguous():
+            return padded_flat.as_strided(
+                self.sharded_size, self._padded_strides, padded_flat.storage_offset()
+            )
         return padded_flat.view(self.padded_sharded_size).narrow(
             self.shard_dim, 0, self.sharded_size[self.shard_dim]
         )
