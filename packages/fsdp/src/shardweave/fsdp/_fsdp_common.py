@@ -147,8 +147,8 @@ def alloc_storage(tensor: torch.Tensor) -> None:
     the forward; refilling the same storage keeps those references valid.
     """
     storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.size() != nbytes:
+    nbytes = tensor.nbytes  # numel * element_size, one call
+    if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
 
 

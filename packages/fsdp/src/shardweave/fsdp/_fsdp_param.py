@@ -494,20 +494,19 @@ class FSDPParam:
         """The 1D output buffer (padded full parameter), storage allocated."""
         if self._aliases_shard:
             return self.all_gather_output
-        if not hasattr(self, "all_gather_output"):
-            world = self.shard_world_size
-            self.all_gather_output = torch.empty(
-                world * self.padded_sharded_numel, dtype=self.unsharded_dtype, device=self.device
+        out: torch.Tensor | None = getattr(self, "all_gather_output", None)
+        dtype = self.param_dtype or self.orig_dtype  # unsharded_dtype, without the property
+        if out is None:
+            out = self.all_gather_output = torch.empty(
+                self.shard_world_size * self.padded_sharded_numel, dtype=dtype, device=self.device
             )
+        elif out.dtype != dtype:
+            # The dtype changed since the last unshard (a cast before the first forward).
+            out = self.all_gather_output = torch.empty_like(out, dtype=dtype)
+            self._unsharded_param = None
         else:
-            if self.all_gather_output.dtype != self.unsharded_dtype:
-                # The dtype changed since the last unshard (a cast before the first forward).
-                self.all_gather_output = torch.empty_like(
-                    self.all_gather_output, dtype=self.unsharded_dtype
-                )
-                self._unsharded_param = None
-            alloc_storage(self.all_gather_output)
-        return self.all_gather_output
+            alloc_storage(out)
+        return out
 
     def init_unsharded_param(self) -> None:
         """Create the unsharded parameter once; later unshards refill its storage in place."""
@@ -536,18 +535,32 @@ class FSDPParam:
         return self._unsharded_param is not None
 
     # --- state transitions --------------------------------------------------------------------
+    # to_unsharded and to_sharded run for every parameter at every unshard and reshard: they
+    # write only what changes.
     def to_unsharded(self) -> None:
         param = self.unsharded_param
-        param.requires_grad_(self.sharded_param.requires_grad)
+        requires_grad = self.sharded_param.requires_grad
+        if param.requires_grad != requires_grad:
+            param.requires_grad_(requires_grad)
         self._setattr_on_modules(param)
-        self._free_post_forward_data()
+        if (
+            self._sharded_post_forward_param is not None
+            or self._sharded_post_forward_data is not None
+        ):
+            self._free_post_forward_data()
         self.sharded_state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
         self._setattr_on_modules(self.sharded_param)
-        self._free_post_forward_data()
-        if hasattr(self, "all_gather_output") and not self._aliases_shard:
-            free_storage(self.all_gather_output)
+        if (
+            self._sharded_post_forward_param is not None
+            or self._sharded_post_forward_data is not None
+        ):
+            self._free_post_forward_data()
+        if not self._aliases_shard:
+            out: torch.Tensor | None = getattr(self, "all_gather_output", None)
+            if out is not None:
+                free_storage(out)
         self._all_gather.free()
         self.sharded_state = ShardedState.SHARDED
 
