@@ -3,13 +3,17 @@
 Run::
 
     python benchmarks/host_time.py [--steps 150] [--warmup 30] [--workloads mlp48,gpt]
-        [--json bench-results/host_time.json] [--profile mlp48 [--profile-steps 100]]
+        [--backend fake|nocomm] [--json bench-results/host_time.json]
+        [--profile mlp48 [--profile-steps 100]]
 
 One process, rank 0 of a world of 8 on torch's fake process group (``FakeStore`` and backend
 ``"fake"`` from ``torch.testing._internal.distributed.fake_pg``): every collective returns at
-once without moving a byte, so what is left of a step is the model's own compute plus the
-engine's host work (hooks, views, copy-in/copy-out, bookkeeping). The values the fake
-collectives leave behind are meaningless; only the time is. The fake store has no
+once and nothing leaves the process, so what is left of a step is the model's own compute plus
+the engine's host work (hooks, views, copy-in/copy-out, bookkeeping). The fake group still
+copies each all-gather input into every rank's slot of the output (a memcpy of the whole
+parameter, the same bytes for both engines); ``--backend nocomm`` takes that out too (a
+process group whose collectives touch no tensor). The values the collectives leave behind are
+meaningless; only the time is. The fake store has no
 ``add``/``get``, so shardweave's first-forward consistency check is skipped
 (``SHARDWEAVE_SKIP_CONSISTENCY_CHECK=1``) and its watchdog thread never starts (its cost:
 ``benchmarks/watchdog_overhead.py``); the per-collective bookkeeping still runs.
@@ -65,15 +69,68 @@ WORLD_SIZE = 8
 FSDP_WORKLOADS = {w.name: w for w in WORKLOADS if w.mode == "fsdp"}
 
 
-def _init_fake_pg() -> None:
+class _NoCommGroup(dist.ProcessGroup):
+    """``--backend nocomm``: every collective the engines issue returns a finished ``Work`` at
+    once and touches no tensor (torch's fake group copies each all-gather input into every
+    rank's slot of the output: a memory copy of the whole parameter, the same for both
+    engines, which this takes out too). A Python process group, as torch's threaded test
+    group is; its dispatch costs both engines alike."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self._world_size = world_size
+
+    @staticmethod
+    def _done(result: Any = None) -> dist.Work:
+        from torch._C._distributed_c10d import _create_work_from_future
+        from torch.futures import Future
+
+        future: Future[Any] = Future()
+        future.set_result(result)
+        return _create_work_from_future(future)  # type: ignore[no-any-return]
+
+    def size(self) -> int:
+        return self._world_size
+
+    def getBackendName(self) -> str:
+        return "nocomm"
+
+    @property
+    def group_name(self) -> str:  # DeviceMesh names its groups
+        return str(dist.distributed_c10d._world.pg_names[self])
+
+    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> dist.Work:
+        return self._done([output])
+
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> dist.Work:
+        return self._done([output])
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return self._done(tensors)
+
+    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
+        return self._done(outputs)
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return self._done(tensors)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._done()
+
+
+def _init_fake_pg(backend: str = "fake") -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     # The fake store has no add/get: the first forward's consistency check (the one use of the
     # store, besides the watchdog thread it starts) cannot run, so skip it. The watchdog's
     # thread then never starts; its per-collective bookkeeping still runs.
     os.environ["SHARDWEAVE_SKIP_CONSISTENCY_CHECK"] = "1"
+    if backend == "nocomm" and "nocomm" not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            "nocomm", lambda store, rank, size, timeout: _NoCommGroup(rank, size), devices=["cpu"]
+        )
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
+        dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=WORLD_SIZE)
 
 
 def _build(w: Workload, engine: str) -> nn.Module:
@@ -159,7 +216,8 @@ def profile(w: Workload, steps: int, warmup: int, top: int) -> None:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [
-        f"host time per step (forward+backward), fake process group, rank 0 of {WORLD_SIZE}, "
+        f"host time per step (forward+backward), {report['meta']['backend']} process group, "
+        f"rank 0 of {WORLD_SIZE}, "
         f"load at start {report['meta']['load_average_at_start']}",
         f"{'workload':10} {'eager ms':>9} {'sw ms':>8} {'torch ms':>9} {'sw over':>8} "
         f"{'torch over':>10} {'over sw/t':>9} {'total sw/t':>10}",
@@ -189,6 +247,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path("bench-results/host_time.json"),
         help="write the report here (default %(default)s; git-ignored)",
     )
+    p.add_argument(
+        "--backend",
+        choices=("fake", "nocomm"),
+        default="fake",
+        help="fake: torch's fake process group (default); nocomm: a process group whose "
+        "collectives touch no tensor (no all-gather copy either)",
+    )
     p.add_argument("--profile", metavar="WORKLOAD", help="cProfile shardweave on this workload")
     p.add_argument("--profile-steps", type=int, default=100)
     p.add_argument("--profile-top", type=int, default=40)
@@ -207,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    _init_fake_pg()
+    _init_fake_pg(args.backend)
     try:
         if args.profile is not None:
             profile(FSDP_WORKLOADS[args.profile], args.profile_steps, args.warmup, args.profile_top)
@@ -219,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         report = {
             "meta": {
-                "backend": "fake",
+                "backend": args.backend,
                 "world_size": WORLD_SIZE,
                 "rank": 0,
                 "device": "cpu",
