@@ -48,8 +48,11 @@ class ParamModuleInfo:
 
 
 def _dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    # Not from_local: that is differentiable and re-checks metadata on every call.
-    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    # Not from_local: that is differentiable and re-checks metadata on every call. Not
+    # DTensor(...) either, which runs DTensor.__init__ after __new__: it does nothing (Tensor's
+    # __init__) but behind dynamo's disable and export's constructor marker, twice the cost of
+    # building the tensor (this runs for every sharded gradient each step, in eager hooks).
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:
