@@ -231,6 +231,8 @@ def bench(session: nox.Session) -> None:
     _install_all_packages(session, "numpy")
     _install_requirements_file(session, "benchmarks/requirements.txt")
     session.run("python", "benchmarks/run.py", *session.posargs)
+    # The engine's own host time per step, communication taken out (about a minute).
+    session.run("python", "benchmarks/host_time.py")
 
 
 @nox.session(python=False, venv_backend="none")

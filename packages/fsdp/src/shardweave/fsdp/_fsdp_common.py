@@ -182,8 +182,8 @@ def alloc_storage(tensor: torch.Tensor) -> None:
     the forward; refilling the same storage keeps those references valid.
     """
     storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.size() != nbytes:
+    nbytes = tensor.nbytes  # numel * element_size, one call
+    if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
 
 
@@ -198,6 +198,13 @@ def cast_floating(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def apply_to_tensors(fn: Callable[[torch.Tensor], torch.Tensor], container: Any) -> Any:
     """Apply ``fn`` to every tensor in nested lists, tuples, namedtuples, dicts and dataclasses."""
+    # Runs on every hooked module's inputs and outputs each step: plain tuples, lists and dicts
+    # (what forward arguments nearly always are) first, by exact type; subclasses below.
+    kind = type(container)
+    if kind is tuple or kind is list:
+        return kind([apply_to_tensors(fn, v) for v in container])
+    if kind is dict:
+        return {k: apply_to_tensors(fn, v) for k, v in container.items()}
     if isinstance(container, torch.Tensor):
         return fn(container)
     if isinstance(container, dict):
@@ -251,8 +258,27 @@ def _walk_tensors(container: Any) -> Iterator[torch.Tensor]:
 
 
 def collect_grad_tensors(container: Any) -> list[torch.Tensor]:
-    """Every tensor in ``container`` that requires grad, in a stable walk order."""
-    return [t for t in _walk_tensors(container) if t.requires_grad]
+    """Every tensor in ``container`` that requires grad, in a stable walk order (the order of
+    ``_walk_tensors``, which this follows without its generators: it runs on every hooked
+    module's inputs and outputs each step)."""
+    found: list[torch.Tensor] = []
+    _collect_grad_tensors(container, found)
+    return found
+
+
+def _collect_grad_tensors(container: Any, found: list[torch.Tensor]) -> None:
+    kind = type(container)
+    if kind is tuple or kind is list:
+        for v in container:
+            _collect_grad_tensors(v, found)
+    elif isinstance(container, torch.Tensor):
+        if container.requires_grad:
+            found.append(container)
+    elif kind is dict:
+        for v in container.values():
+            _collect_grad_tensors(v, found)
+    else:
+        found.extend(t for t in _walk_tensors(container) if t.requires_grad)
 
 
 def replace_grad_tensors(container: Any, replacements: Iterator[torch.Tensor]) -> Any:

@@ -48,8 +48,11 @@ class ParamModuleInfo:
 
 
 def _dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    # Not from_local: that is differentiable and re-checks metadata on every call.
-    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    # Not from_local: that is differentiable and re-checks metadata on every call. Not
+    # DTensor(...) either, which runs DTensor.__init__ after __new__: it does nothing (Tensor's
+    # __init__) but behind dynamo's disable and export's constructor marker, twice the cost of
+    # building the tensor (this runs for every sharded gradient each step, in eager hooks).
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -60,6 +63,15 @@ def _set_local_tensor(param: torch.Tensor, local: torch.Tensor) -> None:
     # The registered Parameter *is* the DTensor (nn.Parameter of a subclass keeps its type):
     # re-pointing its local tensor keeps the object users and optimizers hold.
     cast(DTensor, param)._local_tensor = local
+
+
+def _setattr_on_module(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    # Writing _parameters directly skips nn.Module.__setattr__'s checks, which cost real time
+    # with thousands of parameters; modules overriding __setattr__ keep it.
+    if type(module).__setattr__ is nn.Module.__setattr__:
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
 
 
 class _AllGatherStrategy(Protocol):
@@ -236,6 +248,7 @@ class FSDPParam:
         self.sharded_size = shard_size(data.size(), world, rank, shard_dim)
         self.padded_sharded_size = padded_shard_size(data.size(), world, shard_dim)
         self.padded_sharded_numel = self.padded_sharded_size.numel()
+        self._padded_strides = contiguous_strides(self.padded_sharded_size)  # see _local_view
         self.sharded_numel = self.sharded_size.numel()
         padded = data.new_zeros(self.padded_sharded_size, device=data.device)
         if chunks[rank].numel() > 0:
@@ -260,7 +273,17 @@ class FSDPParam:
         self._installed_local: torch.Tensor = _local_tensor(sharded)
 
     def _local_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded shard as a view of a flat padded buffer."""
+        """This rank's unpadded shard as a view of a flat padded buffer.
+
+        Runs for every gradient at every reduction: one ``as_strided`` (the strides of the
+        padded shape, cut to this rank's size on the shard dim) costs a third of the
+        ``view(padded_size).narrow(...)`` it equals. An empty or non-contiguous buffer takes
+        that spelling, which also says what the fast one computes.
+        """
+        if self.padded_sharded_numel > 0 and padded_flat.is_contiguous():
+            return padded_flat.as_strided(
+                self.sharded_size, self._padded_strides, padded_flat.storage_offset()
+            )
         return padded_flat.view(self.padded_sharded_size).narrow(
             self.shard_dim, 0, self.sharded_size[self.shard_dim]
         )
@@ -483,20 +506,19 @@ class FSDPParam:
         """The 1D output buffer (padded full parameter), storage allocated."""
         if self._aliases_shard:
             return self.all_gather_output
-        if not hasattr(self, "all_gather_output"):
-            world = self.shard_world_size
-            self.all_gather_output = torch.empty(
-                world * self.padded_sharded_numel, dtype=self.unsharded_dtype, device=self.device
+        out: torch.Tensor | None = getattr(self, "all_gather_output", None)
+        dtype = self.param_dtype or self.orig_dtype  # unsharded_dtype, without the property
+        if out is None:
+            out = self.all_gather_output = torch.empty(
+                self.shard_world_size * self.padded_sharded_numel, dtype=dtype, device=self.device
             )
+        elif out.dtype != dtype:
+            # The dtype changed since the last unshard (a cast before the first forward).
+            out = self.all_gather_output = torch.empty_like(out, dtype=dtype)
+            self._unsharded_param = None
         else:
-            if self.all_gather_output.dtype != self.unsharded_dtype:
-                # The dtype changed since the last unshard (a cast before the first forward).
-                self.all_gather_output = torch.empty_like(
-                    self.all_gather_output, dtype=self.unsharded_dtype
-                )
-                self._unsharded_param = None
-            alloc_storage(self.all_gather_output)
-        return self.all_gather_output
+            alloc_storage(out)
+        return out
 
     def init_unsharded_param(self) -> None:
         """Create the unsharded parameter once; later unshards refill its storage in place."""
@@ -525,18 +547,32 @@ class FSDPParam:
         return self._unsharded_param is not None
 
     # --- state transitions --------------------------------------------------------------------
+    # to_unsharded and to_sharded run for every parameter at every unshard and reshard: they
+    # write only what changes.
     def to_unsharded(self) -> None:
         param = self.unsharded_param
-        param.requires_grad_(self.sharded_param.requires_grad)
+        requires_grad = self.sharded_param.requires_grad
+        if param.requires_grad != requires_grad:
+            param.requires_grad_(requires_grad)
         self._setattr_on_modules(param)
-        self._free_post_forward_data()
+        if (
+            self._sharded_post_forward_param is not None
+            or self._sharded_post_forward_data is not None
+        ):
+            self._free_post_forward_data()
         self.sharded_state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
         self._setattr_on_modules(self.sharded_param)
-        self._free_post_forward_data()
-        if hasattr(self, "all_gather_output") and not self._aliases_shard:
-            free_storage(self.all_gather_output)
+        if (
+            self._sharded_post_forward_param is not None
+            or self._sharded_post_forward_data is not None
+        ):
+            self._free_post_forward_data()
+        if not self._aliases_shard:
+            out: torch.Tensor | None = getattr(self, "all_gather_output", None)
+            if out is not None:
+                free_storage(out)
         self._all_gather.free()
         self.sharded_state = ShardedState.SHARDED
 
@@ -600,17 +636,13 @@ class FSDPParam:
         self._sharded_post_forward_param = None
 
     def _setattr_on_modules(self, param: nn.Parameter) -> None:
+        # Runs for every parameter at every unshard and reshard: the common case (one module,
+        # no tied aliases) builds no tuple and no zip.
         info = self._module_info
-        for module, name in (
-            (info.module, info.param_name),
-            *zip(info.shared_modules, info.shared_param_names, strict=True),
-        ):
-            # Writing _parameters directly skips nn.Module.__setattr__'s checks, which cost
-            # real time with thousands of parameters; modules overriding __setattr__ keep it.
-            if type(module).__setattr__ is nn.Module.__setattr__:
-                module._parameters[name] = param
-            else:
-                setattr(module, name, param)
+        _setattr_on_module(info.module, info.param_name, param)
+        if info.shared_modules:
+            for module, name in zip(info.shared_modules, info.shared_param_names, strict=True):
+                _setattr_on_module(module, name, param)
 
     # --- gradients ----------------------------------------------------------------------------
     def accumulate_unsharded_grad_if_needed(self) -> None:
