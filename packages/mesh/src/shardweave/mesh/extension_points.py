@@ -28,8 +28,8 @@ Design note: one registration per kind
 
     - at ``fully_shard``, the *parameter's* class, for ``ParamKind.handler``. A kind without
       a handler, or a class no kind covers, gets the engine's built-in plain-tensor handler,
-      unless it is a DTensor, which raises ``MissingExtensionError`` (no kind) naming
-      ``shardweave-extensions``.
+      unless it is a DTensor: with no kind that raises ``MissingExtensionError`` naming
+      ``shardweave-extensions``, with a kind that has no handler ``TypeError``.
     - at the root's lazy init, the *sharded local tensor's* class, for
       ``ParamKind.all_gather``, when that tensor does not define torch's
       ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torch's methods win).
