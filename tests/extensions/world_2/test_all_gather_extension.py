@@ -132,7 +132,8 @@ def registered_all_gather_plugin(rank: int, world: int) -> int:
 
 def test_all_gather_plugin_is_consulted(world2: WorkerPool) -> None:
     """Oracle: compatibility. A tensor class without torch's methods gets them from its
-    ``PARAM_KINDS`` kind's ``all_gather`` part: bitwise the gradients of the same bf16 all-gather done through
-    torch's methods (``all_gather_in_dtype``), which plain fp32 gathering would not give; the
-    plugin runs once per parameter per unshard (4 params x 2 unshards x 3 steps)."""
+    ``PARAM_KINDS`` kind's ``all_gather`` part: bitwise the gradients of the same bf16
+    all-gather done through torch's methods (``all_gather_in_dtype``), which plain fp32
+    gathering would not give; the plugin runs once per parameter per unshard (4 params x 2
+    unshards x 3 steps)."""
     assert world2.run(registered_all_gather_plugin) == [24, 24]

@@ -1,9 +1,9 @@
 """FSDP on top of tensor parallelism: DTensor parameters from ``parallelize_module``.
 
 Registered as the ``shardweave.param_kinds`` plugin for ``DTensor`` (:func:`dtensor_kind`, see
-this package's ``pyproject.toml``). The engine shards each parameter's *local* TP tensor on the data-parallel
-mesh; this plugin says how the result is placed on the combined (data-parallel, tensor-
-parallel) mesh and how the unsharded parameter and its gradient are rebuilt.
+this package's ``pyproject.toml``). The engine shards each parameter's *local* TP tensor on the
+data-parallel mesh; this plugin says how the result is placed on the combined (data-parallel,
+tensor-parallel) mesh and how the unsharded parameter and its gradient are rebuilt.
 
 Design note: strided sharding
     When TP already shards tensor dim ``d`` (e.g. ``ColwiseParallel``'s ``Shard(0)``) and FSDP
@@ -75,8 +75,8 @@ class DTensorParamHandler:
     """Shards tensor-parallel DTensor parameters on the data-parallel mesh.
 
     Installing ``shardweave-extensions`` registers it (as the handler of :func:`dtensor_kind`,
-    entry point ``dtensor``), so nothing needs to be called. Each rank then keeps ``1/(dp*tp)`` of a TP-sharded parameter and
-    all-gathers only over the data-parallel group.
+    entry point ``dtensor``), so nothing needs to be called. Each rank then keeps
+    ``1/(dp*tp)`` of a TP-sharded parameter and all-gathers only over the data-parallel group.
 
     Example::
 

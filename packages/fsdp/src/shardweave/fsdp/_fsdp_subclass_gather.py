@@ -2,8 +2,9 @@
 
 A sharded local tensor that defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (as
 methods of its class or attributes patched onto it), or whose class's parameter kind
-(``PARAM_KINDS``) has an ``all_gather`` part, sends what its pre-hook returns through the all-gather instead of its own bytes, and
-its post-hook builds the unsharded tensor from what arrives. ``SubclassAllGather`` is that
+(``PARAM_KINDS``) has an ``all_gather`` part, sends what its pre-hook returns through the
+all-gather instead of its own bytes, and its post-hook builds the unsharded tensor from what
+arrives. ``SubclassAllGather`` is that
 protocol as the all-gather strategy of one ``FSDPParam``; ``detect_subclass_all_gather``
 decides whether a parameter has one. Everything the protocol keeps between calls is one
 ``SubclassGatherState``.
@@ -164,8 +165,8 @@ def detect_subclass_all_gather(
     """The protocol for ``param`` whose sharded local tensor is ``local``, if it has one.
 
     torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the tensor win; else the
-    ``all_gather`` part of the ``PARAM_KINDS`` kind registered for its class. Detected at the root's lazy init, so hooks
-    patched on after ``to_empty`` count.
+    ``all_gather`` part of the ``PARAM_KINDS`` kind registered for its class. Detected at the
+    root's lazy init, so hooks patched on after ``to_empty`` count.
     """
     pre = getattr(local, "fsdp_pre_all_gather", None)
     post = getattr(local, "fsdp_post_all_gather", None)
