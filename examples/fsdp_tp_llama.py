@@ -3,8 +3,8 @@
 Tensor parallelism first (``parallelize_module`` on ``mesh["tp"]``: attention heads and the
 SwiGLU hidden dim are split column-wise, the output projections row-wise), then
 ``shardweave.fsdp.fully_shard`` on ``mesh["dp"]`` per block and on the root. The DTensor
-parameters that tensor parallelism creates are handled by the ``shardweave-extensions`` plugin
-(found through the ``shardweave.param_handling`` entry point), so it must be installed.
+parameters that tensor parallelism creates are handled by the ``shardweave-extensions`` DTensor
+kind (found through the ``shardweave.param_kinds`` entry point), so it must be installed.
 
 Run on 4 CPU processes (dp=2, tp=2)::
 

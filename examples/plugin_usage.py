@@ -1,12 +1,13 @@
 """Use a plugin from a separate distribution: ``examples/plugin_package``.
 
-That package declares ``Int8AllGather`` in the ``shardweave.all_gather`` entry-point group; this
-script never imports the plugin class. It looks the extension point up by the tensor's type
-(``ALL_GATHER.get_for_type``), which discovers installed plugins on first use, and runs the
-plugin's protocol around a real all-gather: ``pre_all_gather`` (int8 data + scale) ->
+That package declares ``int8_kind`` (a ``ParamKind`` whose ``all_gather`` part is
+``Int8AllGather``) in the ``shardweave.param_kinds`` entry-point group; this script never
+imports the plugin. It looks the extension point up by the tensor's type
+(``PARAM_KINDS.get_for_type``), which discovers installed plugins on first use, and runs the
+kind's all-gather protocol around a real all-gather: ``pre_all_gather`` (int8 data + scale) ->
 ``all_gather_into_tensor`` per input -> ``post_all_gather`` (dequantize).
 
-Note: ``fully_shard`` itself picks an ``AllGatherExtension`` up at the root's lazy init, for a
+Note: ``fully_shard`` itself picks a kind's ``AllGatherExtension`` up at the root's lazy init, for a
 sharded local tensor of its class; here the all-gather is driven by hand to show the protocol.
 A tensor subclass that defines torch's own ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
 methods is used by ``fully_shard`` directly.
@@ -26,15 +27,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardweave.mesh.extension_points import ALL_GATHER, AllGatherExtension
+from shardweave.mesh.extension_points import PARAM_KINDS, AllGatherExtension
 
 
 def gather(
     local: torch.Tensor, mesh: DeviceMesh, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """All-gather every rank's ``local`` shard (dim 0, equal shapes) through the plugin that
-    handles ``type(local)``; raises ``MissingExtensionError`` naming what to install if none."""
-    extension: AllGatherExtension = ALL_GATHER.get_for_type(type(local), what="the local shard")
+    """All-gather every rank's ``local`` shard (dim 0, equal shapes) through the all-gather of
+    the kind that handles ``type(local)``; raises ``MissingExtensionError`` naming what to
+    install if none."""
+    kind = PARAM_KINDS.get_for_type(type(local), what="the local shard")
+    if kind.all_gather is None:
+        raise LookupError(f"the {kind.handled_type.__name__} kind has no all-gather part")
+    extension: AllGatherExtension = kind.all_gather
     inputs, meta = extension.pre_all_gather(local, mesh)
     group = mesh.get_group()
     outs = []
@@ -77,7 +82,7 @@ def main() -> None:
     with process_group():
         shard, full = run()
         if dist.get_rank() == 0:
-            print("plugins:", dict(ALL_GATHER.registered()))
+            print("plugins:", dict(PARAM_KINDS.registered()))
             print("gathered shape:", tuple(full.shape), "rank 0 rows max error:",
                   (full[: shard.size(0)] - shard).abs().max().item())  # fmt: skip
 

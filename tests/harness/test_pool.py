@@ -65,16 +65,16 @@ def _global_state(rank: int, world_size: int) -> tuple[torch.dtype, bool, bool]:
 
 
 def _unregister_demo_plugin(rank: int, world_size: int) -> None:
-    from shardweave.mesh.extension_points import ALL_GATHER
+    from shardweave.mesh.extension_points import PARAM_KINDS
 
-    ALL_GATHER.unregister("demo")
-    assert "demo" not in ALL_GATHER.registered()
+    PARAM_KINDS.unregister("demo")
+    assert "demo" not in PARAM_KINDS.registered()
 
 
-def _all_gather_plugins(rank: int, world_size: int) -> list[str]:
-    from shardweave.mesh.extension_points import ALL_GATHER
+def _param_kind_plugins(rank: int, world_size: int) -> list[str]:
+    from shardweave.mesh.extension_points import PARAM_KINDS
 
-    return sorted(ALL_GATHER.registered())
+    return sorted(PARAM_KINDS.registered())
 
 
 def _die_on_rank0(rank: int, world_size: int) -> None:
@@ -114,11 +114,11 @@ def test_global_state_reset_between_bodies(world2: WorkerPool) -> None:
 def test_registries_reset_between_bodies(world2: WorkerPool) -> None:
     pytest.importorskip("shardweave.mesh.extension_points")
     pytest.importorskip("shardweave_test_plugin")  # installed by `nox -s tests`
-    from shardweave.mesh.extension_points import ALL_GATHER
+    from shardweave.mesh.extension_points import PARAM_KINDS
 
-    assert "demo" in ALL_GATHER.registered()
+    assert "demo" in PARAM_KINDS.registered()
     world2.run(_unregister_demo_plugin)
-    assert world2.run(_all_gather_plugins) == [sorted(ALL_GATHER.registered())] * 2
+    assert world2.run(_param_kind_plugins) == [sorted(PARAM_KINDS.registered())] * 2
 
 
 def test_failure_on_one_rank_is_reported_fast(world2: WorkerPool) -> None:

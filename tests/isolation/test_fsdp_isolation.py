@@ -46,9 +46,9 @@ class TP(nn.Module):
 def dtensor_param_without_plugin(rank: int, world: int) -> str:
     from shardweave.fsdp import fully_shard
     from shardweave.mesh import MissingExtensionError
-    from shardweave.mesh.extension_points import PARAM_HANDLING
+    from shardweave.mesh.extension_points import PARAM_KINDS
 
-    if PARAM_HANDLING.find_for_type(DTensor) is not None:
+    if PARAM_KINDS.find_for_type(DTensor) is not None:
         return "plugin installed"
     with pytest.raises(MissingExtensionError) as err:
         fully_shard(TP(), mesh=init_device_mesh("cpu", (1,)))
@@ -59,6 +59,6 @@ def test_fsdp_dtensor_param_without_plugin(world1: WorkerPool) -> None:
     """Without shardweave-extensions, a DTensor parameter names the package to install."""
     (message,) = world1.run(dtensor_param_without_plugin)
     if message == "plugin installed":
-        pytest.skip("a DTensor param-handling plugin is installed")
+        pytest.skip("a DTensor parameter-kind plugin is installed")
     assert "pip install shardweave-extensions" in str(message), message
     assert "TP.w" in str(message), message  # names the parameter

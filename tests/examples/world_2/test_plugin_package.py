@@ -19,7 +19,7 @@ import tomllib
 import torch
 
 from examples import plugin_usage as ex
-from shardweave.mesh.extension_points import ALL_GATHER
+from shardweave.mesh.extension_points import PARAM_KINDS
 from tests._dist import WorkerPool
 from tests._dist.sync import barrier
 
@@ -55,8 +55,10 @@ def installed_example_plugin() -> Iterator[None]:
 def body(rank: int, world: int) -> None:
     with installed_example_plugin():
         shard, full = ex.run()
-        plugin = ALL_GATHER.registered()["int8"]  # discovered: nothing called register()
+        kind = PARAM_KINDS.registered()["int8"]  # discovered: nothing called register()
+        plugin = kind.all_gather
         assert type(plugin).__module__ == "shardweave_example_plugin", plugin
+        assert kind.handler is None  # sharded as a plain tensor
     shards = [torch.randn(3, 5, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     assert torch.equal(shard, shards[rank])
     # Closed form: each rank's rows are its shard quantized to int8 with scale absmax / 127.

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.extensions.all_gather import all_gather_in_dtype
 from shardweave.fsdp import fully_shard
-from shardweave.mesh.extension_points import ALL_GATHER
+from shardweave.mesh.extension_points import PARAM_KINDS, ParamKind
 from tests._dist import WorkerPool
 from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
@@ -79,7 +79,7 @@ class Tagged(torch.Tensor):
 
 
 class BF16AllGather:
-    """An ``ALL_GATHER`` plugin for ``Tagged``: all-gather in bf16, rebuild in the compute
+    """The all-gather part of the ``Tagged`` kind: all-gather in bf16, rebuild in the compute
     dtype (what ``all_gather_in_dtype`` does through torch's methods, for even shards)."""
 
     handled_type = Tagged
@@ -109,7 +109,9 @@ def registered_all_gather_plugin(rank: int, world: int) -> int:
 
     model, ref = build(), build()
     plugin = BF16AllGather()
-    ALL_GATHER.register("bf16-test", plugin)  # the pool restores registries after the body
+    # A kind without a handler: sharded as a plain tensor, gathered by the plugin. The pool
+    # restores registries after the body.
+    PARAM_KINDS.register("bf16-test", ParamKind(Tagged, all_gather=plugin))
     for p in model.parameters():
         local = p._local_tensor  # type: ignore[attr-defined]
         p._local_tensor = local.as_subclass(Tagged)  # type: ignore[attr-defined]
@@ -130,7 +132,8 @@ def registered_all_gather_plugin(rank: int, world: int) -> int:
 
 def test_all_gather_plugin_is_consulted(world2: WorkerPool) -> None:
     """Oracle: compatibility. A tensor class without torch's methods gets them from its
-    ``ALL_GATHER`` plugin: bitwise the gradients of the same bf16 all-gather done through
-    torch's methods (``all_gather_in_dtype``), which plain fp32 gathering would not give; the
-    plugin runs once per parameter per unshard (4 params x 2 unshards x 3 steps)."""
+    ``PARAM_KINDS`` kind's ``all_gather`` part: bitwise the gradients of the same bf16
+    all-gather done through torch's methods (``all_gather_in_dtype``), which plain fp32
+    gathering would not give; the plugin runs once per parameter per unshard (4 params x 2
+    unshards x 3 steps)."""
     assert world2.run(registered_all_gather_plugin) == [24, 24]

@@ -25,10 +25,11 @@ from shardweave.extensions import (
     all_gather_dtensor,
     chunk_dtensor,
     chunk_tensor,
+    dtensor_kind,
     pre_load_state_dict_transform,
 )
 from shardweave.fsdp import fully_shard, set_full_state_dict
-from shardweave.mesh.extension_points import STATE_DICT, StateDictTransform
+from shardweave.mesh.extension_points import PARAM_KINDS, StateDictTransform
 from tests._dist import WorkerPool
 from tests.extensions._tp_models import Stack, build_tp_stack
 
@@ -238,7 +239,9 @@ def load_tp_only_checkpoint(rank: int, world: int) -> None:
     model = build_tp_stack(fully_shard, mesh)
     with pytest.raises(TypeError, match="no StateDictTransform is registered"):
         set_full_state_dict(model, tp_sd)
-    STATE_DICT.register("dtensor", DTensorStateDictTransform())  # the pool restores it
+    # The DTensor kind with its state-dict part, under the entry point's key: it replaces the
+    # installed kind (handler alone). The pool restores the registry after the body.
+    PARAM_KINDS.register("dtensor", dtensor_kind(state_dict=True))
     set_full_state_dict(model, tp_sd)
     for key, value in model.state_dict().items():
         assert torch.equal(value.to_local(), want[key].to_local()), key
@@ -247,6 +250,6 @@ def load_tp_only_checkpoint(rank: int, world: int) -> None:
 def test_full_state_dict_load_consults_state_dict_plugin(world4: WorkerPool) -> None:
     """Oracle: reference (the FSDP x TP model built from the same seed). A TP-only checkpoint,
     whose values are tensor-parallel DTensors, loads through ``set_full_state_dict`` into
-    FSDP x TP parameters once the ``STATE_DICT`` plugin for DTensor is registered, and is a
-    clear ``TypeError`` before."""
+    FSDP x TP parameters once the DTensor kind is registered with its ``StateDictTransform``,
+    and is a clear ``TypeError`` before."""
     world4.run(load_tp_only_checkpoint)

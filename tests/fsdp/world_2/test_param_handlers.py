@@ -19,17 +19,17 @@ from torch.distributed.tensor.placement_types import Placement
 
 from shardweave.fsdp import fully_shard
 from shardweave.mesh import DataParallelMeshInfo, MissingExtensionError
-from shardweave.mesh.extension_points import PARAM_HANDLING, ParamHandler
+from shardweave.mesh.extension_points import PARAM_KINDS, ParamHandler, ParamKind
 from tests._dist import WorkerPool
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 
 
 def dtensor_param_without_its_plugin(rank: int, world: int) -> str:
-    for key, impl in dict(PARAM_HANDLING.registered()).items():
-        if issubclass(DTensor, impl.handled_type):
-            PARAM_HANDLING.unregister(key)  # as if shardweave-extensions were not installed
+    for key, kind in dict(PARAM_KINDS.registered()).items():
+        if issubclass(DTensor, kind.handled_type):
+            PARAM_KINDS.unregister(key)  # as if shardweave-extensions were not installed
     # The built-in plain handler must not answer for DTensor (it derives from torch.Tensor).
-    assert PARAM_HANDLING.find_for_type(DTensor) is None
+    assert PARAM_KINDS.find_for_type(DTensor) is None
     mesh = init_device_mesh("cpu", (world,))
     tp = nn.Linear(4, 4, bias=False)
     tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Replicate()]))
@@ -87,7 +87,8 @@ class MarkedHandler:
 def registered_handler_for_a_new_kind(rank: int, world: int) -> dict[str, int]:
     handler = MarkedHandler()
     assert isinstance(handler, ParamHandler)
-    PARAM_HANDLING.register("marked-test", handler)  # restored by the pool after the body
+    # restored by the pool after the body
+    PARAM_KINDS.register("marked-test", ParamKind(Marked, handler=handler))
     model, ref = make_model("mlp"), make_model("mlp")
     for module in model.modules():
         for name, p in list(module._parameters.items()):

@@ -243,14 +243,14 @@ def test_llama_tied(world2: WorkerPool, tmp_path: Path) -> None:
 
 def _dtensor_params_plugin() -> None:
     """Our engine takes DTensor parameters (the experts, ``Shard(0)`` on the EP mesh) through
-    shardweave-extensions' ``param_handling`` plugin. The integration session installs the
+    shardweave-extensions' ``param_kinds`` plugin. The integration session installs the
     packages, so it is found by its entry point; from a source checkout (PYTHONPATH, no entry
-    points) register the same handler here. The pool restores the registry after the body."""
-    from shardweave.extensions.tensor_parallel import DTensorParamHandler
-    from shardweave.mesh.extension_points import PARAM_HANDLING
+    points) register the same kind here. The pool restores the registry after the body."""
+    from shardweave.extensions.tensor_parallel import dtensor_kind
+    from shardweave.mesh.extension_points import PARAM_KINDS
 
-    if PARAM_HANDLING.find_for_type(DTensor) is None:
-        PARAM_HANDLING.register("dtensor", DTensorParamHandler())
+    if PARAM_KINDS.find_for_type(DTensor) is None:
+        PARAM_KINDS.register("dtensor", dtensor_kind())
 
 
 def moe_parity(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:

@@ -21,13 +21,12 @@ from shardweave.mesh import (
     MissingExtensionError,
 )
 from shardweave.mesh.extension_points import (
-    ALL_GATHER,
     COLLECTIVES,
-    PARAM_HANDLING,
-    STATE_DICT,
+    PARAM_KINDS,
     AllGatherExtension,
     Collectives,
     ParamHandler,
+    ParamKind,
     StateDictTransform,
 )
 
@@ -326,11 +325,11 @@ def test_snapshot_restores_discovery_state(
 
 
 def test_shared_points_can_be_snapshotted() -> None:
-    with ALL_GATHER.snapshot():
-        demo = _SampleAllGather()
-        ALL_GATHER.register("test-only", demo, override=True)
-        assert ALL_GATHER.get("test-only") is demo
-    assert "test-only" not in ALL_GATHER.registered()
+    with PARAM_KINDS.snapshot():
+        demo = ParamKind(torch.Tensor, all_gather=_SampleAllGather())
+        PARAM_KINDS.register("test-only", demo, override=True)
+        assert PARAM_KINDS.get("test-only") is demo
+    assert "test-only" not in PARAM_KINDS.registered()
 
 
 # --- discovery -----------------------------------------------------------------------------
@@ -478,19 +477,21 @@ def test_discovers_plugin_from_installed_distribution() -> None:
         "shardweave_test_plugin",
         reason="install tests/fixtures/shardweave_test_plugin (the nox tests session does)",
     )
-    p: ExtensionPoint[AllGatherExtension] = ExtensionPoint(
-        "shardweave.all_gather", AllGatherExtension, install="shardweave-extensions"
+    p: ExtensionPoint[ParamKind] = ExtensionPoint(
+        "shardweave.param_kinds", ParamKind, install="shardweave-extensions"
     )
     demo = p.get("demo")
-    assert isinstance(demo, plugin.DemoAllGather)
+    assert demo.handled_type is plugin.DemoTensor
+    assert isinstance(demo.all_gather, plugin.DemoAllGather)
+    assert demo.handler is None and demo.state_dict is None
 
     class SubDemo(plugin.DemoTensor):  # type: ignore[misc, name-defined]
         pass
 
     assert p.get_for_type(SubDemo) is demo
     # The shared point finds it too; the snapshot undoes the discovery afterwards.
-    with ALL_GATHER.snapshot():
-        assert isinstance(ALL_GATHER.get("demo"), plugin.DemoAllGather)
+    with PARAM_KINDS.snapshot():
+        assert isinstance(PARAM_KINDS.get("demo").all_gather, plugin.DemoAllGather)
 
 
 def test_broken_plugin_from_installed_distribution_names_it() -> None:
@@ -568,29 +569,27 @@ class _SampleCollectives:
         return None
 
 
+class _SampleKind(ParamKind):
+    """A kind with all three parts (a subclass only so ``test_engine_points`` can build it)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            torch.Tensor,
+            handler=_SampleParamHandler(),
+            all_gather=_SampleAllGather(),
+            state_dict=_SampleStateDict(),
+        )
+
+
 @pytest.mark.parametrize(
     ("ext", "group", "install", "protocol", "sample"),
     [
         (
-            PARAM_HANDLING,
-            "shardweave.param_handling",
+            PARAM_KINDS,
+            "shardweave.param_kinds",
             "shardweave-extensions",
-            ParamHandler,
-            _SampleParamHandler,
-        ),
-        (
-            ALL_GATHER,
-            "shardweave.all_gather",
-            "shardweave-extensions",
-            AllGatherExtension,
-            _SampleAllGather,
-        ),
-        (
-            STATE_DICT,
-            "shardweave.state_dict",
-            "shardweave-extensions",
-            StateDictTransform,
-            _SampleStateDict,
+            ParamKind,
+            _SampleKind,
         ),
         (
             COLLECTIVES,
@@ -610,3 +609,95 @@ def test_engine_points(
     with ext.snapshot():
         ext.register("sample", sample(), override=True)
         assert isinstance(ext.get("sample"), sample)
+
+
+def test_the_old_per_part_points_are_gone() -> None:
+    """One registration per kind: ``PARAM_KINDS`` replaced the three per-part points."""
+    import shardweave.mesh.extension_points as points
+
+    for old in ("PARAM_HANDLING", "ALL_GATHER", "STATE_DICT"):
+        assert not hasattr(points, old), old
+    found = [v for v in vars(points).values() if isinstance(v, ExtensionPoint)]
+    assert sorted(p.group for p in found) == ["shardweave.collectives", "shardweave.param_kinds"]
+
+
+# --- ParamKind: one registration per parameter kind ---------------------------------------
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+class _SubTagged(_Tagged):
+    pass
+
+
+class _TaggedAllGather(_SampleAllGather):
+    handled_type: type = _Tagged
+
+
+def test_param_kind_parts_are_optional() -> None:
+    kind = _SampleKind()
+    assert isinstance(kind.handler, ParamHandler)
+    assert isinstance(kind.all_gather, AllGatherExtension)
+    assert isinstance(kind.state_dict, StateDictTransform)
+    kind = ParamKind(_Tagged)
+    assert (kind.handler, kind.all_gather, kind.state_dict) == (None, None, None)
+    with pytest.raises(AttributeError):  # frozen: a registered kind cannot change under the engine
+        kind.handler = _SampleParamHandler()  # type: ignore[misc]
+
+
+def test_param_kind_parts_must_satisfy_their_protocols() -> None:
+    with pytest.raises(TypeError, match=r"ParamKind\(_Tagged\)\.handler: .* ParamHandler protocol"):
+        ParamKind(_Tagged, handler=_SampleAllGather())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"\.all_gather: .* AllGatherExtension protocol"):
+        ParamKind(_Tagged, all_gather=_SampleStateDict())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"\.state_dict: .* StateDictTransform protocol"):
+        ParamKind(_Tagged, state_dict=_SampleAllGather())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="handled_type must be a class"):
+        ParamKind("not a class")  # type: ignore[arg-type]
+
+
+def test_param_kind_part_handles_the_kind_or_a_base() -> None:
+    # A part written for a base class (torch.Tensor here, DTensor for a DTensor subclass)
+    # serves a kind of a subclass; one for an unrelated or more specific class does not.
+    ParamKind(_SubTagged, all_gather=_SampleAllGather())
+    ParamKind(_SubTagged, all_gather=_TaggedAllGather())
+    with pytest.raises(TypeError, match="handles _Tagged, which is not Tensor or a base of it"):
+        ParamKind(torch.Tensor, all_gather=_TaggedAllGather())
+    with pytest.raises(TypeError, match="which is not Other or a base of it"):
+        ParamKind(Other, all_gather=_TaggedAllGather())
+
+
+def test_param_kinds_takes_kinds_only() -> None:
+    """A bare part (the pre-kind way of registering) is refused, naming what is expected."""
+    with (
+        PARAM_KINDS.snapshot(),
+        pytest.raises(TypeError, match="is a _TaggedAllGather, not a ParamKind"),
+    ):
+        PARAM_KINDS.register("bare", _TaggedAllGather())  # type: ignore[arg-type]
+
+
+def test_param_kinds_lookup_follows_the_mro_and_the_most_specific_kind_decides() -> None:
+    base = ParamKind(_Tagged, all_gather=_TaggedAllGather())
+    sub = ParamKind(_SubTagged, handler=_SampleParamHandler())
+    with PARAM_KINDS.snapshot():
+        PARAM_KINDS.register("tagged", base)
+        assert PARAM_KINDS.find_for_type(_SubTagged) is base  # a base's kind covers subclasses
+        PARAM_KINDS.register("sub-tagged", sub)
+        assert PARAM_KINDS.find_for_type(_Tagged) is base
+        found = PARAM_KINDS.find_for_type(_SubTagged)
+        # The subclass's own kind wins whole: no all-gather is borrowed from the base's kind.
+        assert found is sub and found.all_gather is None
+        assert PARAM_KINDS.find_for_type(torch.Tensor) is None
+
+
+def test_missing_param_kind_names_the_point_and_the_package() -> None:
+    p: ExtensionPoint[ParamKind] = ExtensionPoint(
+        "shardweave.param_kinds", ParamKind, install="shardweave-extensions"
+    )
+    with pytest.raises(MissingExtensionError) as info:
+        p.get_for_type(_Tagged, what="parameter 'w'")
+    text = str(info.value)
+    assert text.startswith("No ParamKind for type ") and "(parameter 'w')" in text
+    assert "'shardweave.param_kinds'" in text and "pip install shardweave-extensions" in text

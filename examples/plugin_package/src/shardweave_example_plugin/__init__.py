@@ -1,8 +1,9 @@
 """An example shardweave plugin: an int8 all-gather for the ``Int8Tensor`` marker subclass.
 
-Importing this module registers nothing: the registry finds ``Int8AllGather`` through the
-``shardweave.all_gather`` entry point in this distribution's ``pyproject.toml``, on the first
-lookup of ``shardweave.mesh.extension_points.ALL_GATHER``.
+Importing this module registers nothing: the registry finds ``int8_kind`` (the ``Int8Tensor``
+parameter kind, whose only part is ``Int8AllGather``) through the ``shardweave.param_kinds``
+entry point in this distribution's ``pyproject.toml``, on the first lookup of
+``shardweave.mesh.extension_points.PARAM_KINDS``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Int8AllGather", "Int8Tensor"]
+from shardweave.mesh.extension_points import ParamKind
+
+__all__ = ["Int8AllGather", "Int8Tensor", "int8_kind"]
 
 
 class Int8Tensor(torch.Tensor):
@@ -40,3 +43,8 @@ class Int8AllGather:
         rows = data.view(-1, *shape[1:]).to(dtype)
         per_row = scales.to(dtype).repeat_interleave(shape[0])
         return rows * per_row.view(-1, *([1] * (len(shape) - 1)))
+
+
+def int8_kind() -> ParamKind:
+    """The ``Int8Tensor`` kind: sharded as a plain tensor (no handler), gathered in int8."""
+    return ParamKind(Int8Tensor, all_gather=Int8AllGather())

@@ -9,8 +9,8 @@ The jobs torch's FSDP1 hands to ``torch.distributed.tensor.parallel.fsdp`` (its
 * :func:`chunk_dtensor`: a TP DTensor (or a plain tensor) to a DTensor on the whole
   (dp, tp) mesh, the format FSDP2 itself uses for sharded state dicts.
 * :func:`all_gather_dtensor`: back from the (dp, tp) DTensor to the TP-only DTensor.
-* :class:`DTensorStateDictTransform`: the two DTensor directions as a
-  ``shardweave.state_dict`` plugin object (``StateDictTransform`` protocol).
+* :class:`DTensorStateDictTransform`: the two DTensor directions as the state-dict part of
+  the DTensor ``ParamKind`` (``StateDictTransform`` protocol).
 
 Mesh convention (as torch's): the tensor-parallel dim is the *last* dim of the root mesh and
 the data-parallel shard dim is the one before it (HSDP: ``(replicate, shard, tp)``).
@@ -257,12 +257,13 @@ class DTensorStateDictTransform:
     parameter's ``mesh`` / ``placements`` (those of ``ParamHandler.sharded_spec``); ``gather``
     is :func:`all_gather_dtensor` on the sharded DTensor's own mesh.
 
-    Not registered through an entry point: ``gather`` cannot tell the data-parallel mesh dims
-    from the TP ones, and assumes, as torch's helper does, that only the last dim is TP.
-    That is wrong for 2-D TP/EP parameters and for ``dp_mesh_dims`` SPMD meshes, so register
-    it yourself (``STATE_DICT.register("dtensor", DTensorStateDictTransform())``) only for
-    models with one TP mesh dim. Registered, it lets ``shardweave.fsdp.set_full_state_dict``
-    load a TP-only checkpoint (TP DTensor values) into FSDP x TP parameters.
+    Not part of the DTensor kind the entry point registers: ``gather`` cannot tell the
+    data-parallel mesh dims from the TP ones, and assumes, as torch's helper does, that only
+    the last dim is TP. That is wrong for 2-D TP/EP parameters and for ``dp_mesh_dims`` SPMD
+    meshes, so register the kind with it yourself
+    (``PARAM_KINDS.register("dtensor", dtensor_kind(state_dict=True))``) only for models with
+    one TP mesh dim. Registered, it lets ``shardweave.fsdp.set_full_state_dict`` load a
+    TP-only checkpoint (TP DTensor values) into FSDP x TP parameters.
 
     Example::
 

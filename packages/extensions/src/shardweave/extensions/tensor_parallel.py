@@ -1,9 +1,9 @@
 """FSDP on top of tensor parallelism: DTensor parameters from ``parallelize_module``.
 
-Registered as the ``shardweave.param_handling`` plugin for ``DTensor`` (see this package's
-``pyproject.toml``). The engine shards each parameter's *local* TP tensor on the data-parallel
-mesh; this plugin says how the result is placed on the combined (data-parallel, tensor-
-parallel) mesh and how the unsharded parameter and its gradient are rebuilt.
+Registered as the ``shardweave.param_kinds`` plugin for ``DTensor`` (:func:`dtensor_kind`, see
+this package's ``pyproject.toml``). The engine shards each parameter's *local* TP tensor on the
+data-parallel mesh; this plugin says how the result is placed on the combined (data-parallel,
+tensor-parallel) mesh and how the unsharded parameter and its gradient are rebuilt.
 
 Design note: strided sharding
     When TP already shards tensor dim ``d`` (e.g. ``ColwiseParallel``'s ``Shard(0)``) and FSDP
@@ -34,9 +34,31 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from shardweave.extensions.state_dict import DTensorStateDictTransform
 from shardweave.mesh import DataParallelMeshInfo, FSDPMeshInfo, HSDPMeshInfo
+from shardweave.mesh.extension_points import ParamKind
 
-__all__ = ["DTensorParamHandler"]
+__all__ = ["DTensorParamHandler", "dtensor_kind"]
+
+
+def dtensor_kind(*, state_dict: bool = False) -> ParamKind:
+    """The DTensor parameter kind: :class:`DTensorParamHandler`, and optionally the state dict.
+
+    Installing ``shardweave-extensions`` registers ``dtensor_kind()`` (entry point ``dtensor``
+    of ``shardweave.param_kinds``), the handler alone. ``state_dict=True`` adds
+    :class:`DTensorStateDictTransform`, which ``set_full_state_dict`` then uses to load a
+    TP-only checkpoint; it assumes one TP mesh dim (see its docstring), so register that kind
+    yourself, under the same key, where that holds.
+
+    Example::
+
+        from shardweave.mesh.extension_points import PARAM_KINDS
+
+        PARAM_KINDS.register("dtensor", dtensor_kind(state_dict=True))  # wins over the entry point
+        set_full_state_dict(model, tp_only_checkpoint)  # TP DTensor values
+    """
+    transform = DTensorStateDictTransform() if state_dict else None
+    return ParamKind(DTensor, handler=DTensorParamHandler(), state_dict=transform)
 
 
 @dataclass(frozen=True)
@@ -52,9 +74,9 @@ class _TPTemplate:
 class DTensorParamHandler:
     """Shards tensor-parallel DTensor parameters on the data-parallel mesh.
 
-    Installing ``shardweave-extensions`` registers it (entry point ``dtensor``), so nothing
-    needs to be called. Each rank then keeps ``1/(dp*tp)`` of a TP-sharded parameter and
-    all-gathers only over the data-parallel group.
+    Installing ``shardweave-extensions`` registers it (as the handler of :func:`dtensor_kind`,
+    entry point ``dtensor``), so nothing needs to be called. Each rank then keeps
+    ``1/(dp*tp)`` of a TP-sharded parameter and all-gathers only over the data-parallel group.
 
     Example::
 

@@ -7,8 +7,9 @@ Design note: tensor vocabulary
     (torch.chunk semantics leave trailing ranks short or empty). *unsharded*: the full
     parameter, rebuilt from the all-gather output for forward and backward. *all-gather input*:
     the padded shards of one group laid end to end (a parameter with an all-gather extension,
-    torch's ``fsdp_pre_all_gather`` or an ``ALL_GATHER`` plugin, contributes the tensors its
-    pre-all-gather returns instead, several of mixed dtypes if it likes); *all-gather output*:
+    torch's ``fsdp_pre_all_gather`` or a ``PARAM_KINDS`` kind's ``all_gather``, contributes the
+    tensors its pre-all-gather returns instead, several of mixed dtypes if it likes);
+    *all-gather output*:
     every rank's input, rank-major. *reduce-scatter input*: the unsharded gradients chunked per
     rank, rank-major; its *output* is this rank's padded gradient shards laid end to end.
 

@@ -428,8 +428,8 @@ class FSDPParam:
     # --- all-gather ---------------------------------------------------------------------------
     def detect_extension(self, mp_policy: MixedPrecisionPolicy) -> None:
         """Pick the all-gather: the sharded local tensor's own (torch's fsdp_pre/post_all_gather
-        protocol, or an ``ALL_GATHER`` plugin for its class), else the flat one. Called at lazy
-        init, so hooks patched on after ``to_empty`` count."""
+        protocol, or the ``all_gather`` part of its class's ``PARAM_KINDS`` kind), else the flat
+        one. Called at lazy init, so hooks patched on after ``to_empty`` count."""
         found = detect_subclass_all_gather(self, self.sharded_local_tensor(), mp_policy)
         self._all_gather = found or _FLAT_ALL_GATHER
 

@@ -1,9 +1,10 @@
 """Tensor subclasses that shape their own all-gather: torch's fsdp_pre/post_all_gather protocol.
 
 A sharded local tensor that defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (as
-methods of its class or attributes patched onto it), or whose class has an ``ALL_GATHER``
-plugin, sends what its pre-hook returns through the all-gather instead of its own bytes, and
-its post-hook builds the unsharded tensor from what arrives. ``SubclassAllGather`` is that
+methods of its class or attributes patched onto it), or whose class's parameter kind
+(``PARAM_KINDS``) has an ``all_gather`` part, sends what its pre-hook returns through the
+all-gather instead of its own bytes, and its post-hook builds the unsharded tensor from what
+arrives. ``SubclassAllGather`` is that
 protocol as the all-gather strategy of one ``FSDPParam``; ``detect_subclass_all_gather``
 decides whether a parameter has one. Everything the protocol keeps between calls is one
 ``SubclassGatherState``.
@@ -21,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardweave.fsdp._fsdp_common import alloc_storage, contiguous_strides, free_storage
-from shardweave.mesh.extension_points import ALL_GATHER, AllGatherExtension
+from shardweave.mesh.extension_points import PARAM_KINDS, AllGatherExtension
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
@@ -163,16 +164,17 @@ def detect_subclass_all_gather(
 ) -> SubclassAllGather | None:
     """The protocol for ``param`` whose sharded local tensor is ``local``, if it has one.
 
-    torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the tensor win; else an
-    ``ALL_GATHER`` plugin registered for its class. Detected at the root's lazy init, so hooks
-    patched on after ``to_empty`` count.
+    torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the tensor win; else the
+    ``all_gather`` part of the ``PARAM_KINDS`` kind registered for its class. Detected at the
+    root's lazy init, so hooks patched on after ``to_empty`` count.
     """
     pre = getattr(local, "fsdp_pre_all_gather", None)
     post = getattr(local, "fsdp_post_all_gather", None)
     if pre is None and post is None and type(local) is not torch.Tensor:
         # torch's methods win (STYLE: torch compatibility first); the registry is for
         # tensor classes their owner cannot give those methods.
-        plugin = ALL_GATHER.find_for_type(type(local))
+        kind = PARAM_KINDS.find_for_type(type(local))
+        plugin = None if kind is None else kind.all_gather
         if plugin is not None:
             pre, post = _plugin_hooks(param, plugin)
     if (pre is None) != (post is None):

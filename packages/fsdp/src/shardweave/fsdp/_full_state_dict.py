@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from shardweave.fsdp._fully_shard import FSDPModule
 from shardweave.fsdp._torch_compat import all_gather_single
-from shardweave.mesh.extension_points import STATE_DICT
+from shardweave.mesh.extension_points import PARAM_KINDS
 
 __all__ = [
     "GatherBuffers",
@@ -273,9 +273,10 @@ def _local_piece(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     placements = target.placements
     if type(full) is not torch.Tensor:
         # A full value of another kind, e.g. a tensor-parallel DTensor from a TP-only
-        # checkpoint: the STATE_DICT plugin for its class knows how it maps onto the sharded
-        # parameter's mesh (shardweave-extensions has one for TP DTensors).
-        transform = STATE_DICT.find_for_type(type(full))
+        # checkpoint: the state_dict part of its class's parameter kind knows how it maps onto
+        # the sharded parameter's mesh (shardweave-extensions has one for TP DTensors).
+        kind = PARAM_KINDS.find_for_type(type(full))
+        transform = None if kind is None else kind.state_dict
         if transform is not None:
             chunked = transform.chunk(full, mesh, placements)  # a DTensor, per the Protocol
             return chunked.to_local() if isinstance(chunked, DTensor) else chunked
@@ -283,9 +284,9 @@ def _local_piece(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             raise TypeError(
                 f"a full state-dict value is a DTensor ({full.placements} on a "
                 f"{full.device_mesh.ndim}-D mesh) and no StateDictTransform is registered for "
-                "it; register one (STATE_DICT.register('dtensor', "
-                "shardweave.extensions.state_dict.DTensorStateDictTransform()) for one TP mesh "
-                "dim) or pass plain full tensors (DTensor.full_tensor())"
+                "it; register the DTensor kind with one (PARAM_KINDS.register('dtensor', "
+                "shardweave.extensions.dtensor_kind(state_dict=True)) for one TP mesh dim) "
+                "or pass plain full tensors (DTensor.full_tensor())"
             )
     if all(isinstance(p, Replicate) or type(p) is Shard for p in placements):
         coord = mesh.get_coordinate()

@@ -6,29 +6,33 @@ parameter's kind: which tensor is sharded, where the sharded DTensor lives, how 
 tensor becomes the unsharded parameter, and which local tensor a gradient reduces.
 
 Adding a parameter kind: write a class satisfying ``ParamHandler`` whose ``handled_type`` is
-the parameter class (subclasses included), and register it on ``PARAM_HANDLING``: from the
-distribution that owns the kind, as an entry point in its ``pyproject.toml``::
+the parameter class (subclasses included), and register it as the ``handler`` of the kind's
+one ``ParamKind`` on ``PARAM_KINDS`` (which also carries the kind's all-gather extension and
+state-dict transform, if any): from the distribution that owns the kind, as an entry point in
+its ``pyproject.toml``::
 
-    [project.entry-points."shardweave.param_handling"]
-    my_kind = "my_package.handlers:MyKindParamHandler"
+    [project.entry-points."shardweave.param_kinds"]
+    my_kind = "my_package.kinds:my_kind"  # returns ParamKind(MyKind, handler=...)
 
-or in code with ``PARAM_HANDLING.register("my_kind", MyKindParamHandler())``. Nothing in
-``FSDPParam`` changes; ``DTensorParamHandler`` in ``shardweave-extensions`` is the worked
-example. (How a tensor *subclass* travels through the all-gather is another question, answered
-by torch's ``fsdp_pre_all_gather`` protocol: see ``_fsdp_subclass_gather``.)
+or in code with ``PARAM_KINDS.register("my_kind", ParamKind(MyKind, handler=MyHandler()))``.
+Nothing in ``FSDPParam`` changes; ``dtensor_kind`` in ``shardweave-extensions`` is the worked
+example. (How a tensor *subclass* travels through the all-gather is the kind's ``all_gather``
+part, or torch's ``fsdp_pre_all_gather`` protocol: see ``_fsdp_subclass_gather``.)
 
 Design note: handler resolution
-    ``resolve_param_handler`` answers, in order: the handler ``PARAM_HANDLING`` finds for the
-    parameter's class (by its MRO, so a plugin or a ``register()`` wins, even for a plain
-    tensor subclass); else, for a class that is not a DTensor, ``PLAIN_TENSOR_HANDLER``;
-    else ``MissingExtensionError`` from the point, naming the package to install.
+    ``resolve_param_handler`` answers, in order: the handler of the kind ``PARAM_KINDS`` finds
+    for the parameter's class (by its MRO, so a plugin or a ``register()`` wins, even for a
+    plain tensor subclass); else, for a class that is not a DTensor (no kind, or a kind
+    without a handler), ``PLAIN_TENSOR_HANDLER``; else, for a DTensor,
+    ``MissingExtensionError`` from the point naming the package to install (no kind), or
+    ``TypeError`` (a kind without a handler).
 
-    The plain handler is deliberately not put into the point's registry under
-    ``handled_type = torch.Tensor``. Lookups follow the MRO, and ``DTensor`` derives from
+    The plain handler is deliberately not put into the point's registry as a kind of
+    ``torch.Tensor``. Lookups follow the MRO, and ``DTensor`` derives from
     ``torch.Tensor``: without ``shardweave-extensions`` the point would then answer a
     DTensor parameter with the plain handler, which shards the DTensor itself and yields
     wrong placements, instead of the error naming the package; and every other caller of
-    ``PARAM_HANDLING.find_for_type(DTensor)`` would be told a DTensor plugin exists. A
+    ``PARAM_KINDS.find_for_type(DTensor)`` would be told a DTensor plugin exists. A
     registration is also process state that tests snapshot and restore and users may
     ``unregister``; every model has plain parameters, and their handling must not depend on
     it. An entry point in ``shardweave-fsdp``'s ``pyproject.toml`` would have the first
@@ -50,7 +54,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from shardweave.mesh import DataParallelMeshInfo, FSDPMeshInfo, HSDPMeshInfo
-from shardweave.mesh.extension_points import PARAM_HANDLING, ParamHandler
+from shardweave.mesh.extension_points import PARAM_KINDS, ParamHandler
 
 __all__ = ["PLAIN_TENSOR_HANDLER", "PlainTensorHandler", "resolve_param_handler"]
 
@@ -104,7 +108,8 @@ def resolve_param_handler(
         ValueError: ``mesh_info`` is a full SPMD mesh (``dp_mesh_dims``) and ``param`` is
             not a DTensor on it.
         MissingExtensionError: ``param`` is a DTensor and no plugin handles its class.
-        ExtensionLoadError: an installed ``shardweave.param_handling`` plugin is broken.
+        TypeError: ``param`` is a DTensor and the kind found for its class has no handler.
+        ExtensionLoadError: an installed ``shardweave.param_kinds`` plugin is broken.
     """
     if mesh_info.is_spmd_mesh and not isinstance(param, DTensor):
         raise ValueError(
@@ -112,9 +117,15 @@ def resolve_param_handler(
             f"the SPMD mesh, but '{fqn}' is a plain {type(param).__name__}; "
             "distribute it first, e.g. distribute_tensor(param, mesh, [Replicate()] * mesh.ndim)"
         )
-    handler = PARAM_HANDLING.find_for_type(type(param))
-    if handler is not None:
-        return handler
+    kind = PARAM_KINDS.find_for_type(type(param))
+    if kind is not None and kind.handler is not None:
+        return kind.handler
     if not isinstance(param, DTensor):
         return PLAIN_TENSOR_HANDLER
-    return PARAM_HANDLING.get_for_type(type(param), what=f"parameter '{fqn}'")
+    if kind is None:
+        PARAM_KINDS.get_for_type(type(param), what=f"parameter '{fqn}'")  # raises: no kind
+    raise TypeError(
+        f"fully_shard: parameter '{fqn}' is a {type(param).__name__} and its parameter kind "
+        f"(for {type(param).__name__}) has no ParamHandler; a DTensor parameter needs one, "
+        "e.g. shardweave.extensions.DTensorParamHandler"
+    )

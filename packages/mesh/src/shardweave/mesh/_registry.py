@@ -45,7 +45,7 @@ class MissingExtensionError(LookupError):
     can build their own message.
 
     Attributes:
-        group: the entry-point group of the extension point, e.g. ``"shardweave.all_gather"``.
+        group: the entry-point group of the extension point, e.g. ``"shardweave.param_kinds"``.
         looked_for: the key (``"'float8'"``) or type (``"type torch.Tensor"``) looked up,
             followed by the caller's ``what=`` context if any.
         registered: the keys registered at the time of the lookup, sorted.
@@ -56,10 +56,10 @@ class MissingExtensionError(LookupError):
 
     Example::
 
-        from shardweave.mesh.extension_points import PARAM_HANDLING
+        from shardweave.mesh.extension_points import PARAM_KINDS
 
         try:
-            handler = PARAM_HANDLING.get_for_type(DTensor, what="parameter 'w1.weight'")
+            kind = PARAM_KINDS.get_for_type(DTensor, what="parameter 'w1.weight'")
         except MissingExtensionError as e:
             print(e.group, e.looked_for, e.registered)  # the facts, for your own message
             raise SystemExit(f"pip install {e.install}")  # 'shardweave-extensions'
@@ -98,20 +98,20 @@ class ExtensionLoadError(RuntimeError):
     exception as ``__cause__``.
 
     Attributes:
-        group: the entry-point group, e.g. ``"shardweave.all_gather"``.
+        group: the entry-point group, e.g. ``"shardweave.param_kinds"``.
         key: the entry-point name.
         value: the entry-point value, e.g. ``"my_plugin:Factory"``.
         distribution: ``"name version"`` of the distribution declaring it (``""`` if unknown).
 
     Example::
 
-        from shardweave.mesh.extension_points import PARAM_HANDLING
+        from shardweave.mesh.extension_points import PARAM_KINDS
 
         try:
-            handler = PARAM_HANDLING.get_for_type(DTensor)
+            kind = PARAM_KINDS.get_for_type(DTensor)
         except ExtensionLoadError as e:
             print(f"plugin {e.key!r} ({e.value}) from {e.distribution}: {e.__cause__!r}")
-            PARAM_HANDLING.unregister(e.key)  # else every lookup on the point raises
+            PARAM_KINDS.unregister(e.key)  # else every lookup on the point raises
     """
 
     def __init__(
@@ -156,13 +156,13 @@ class RegistrySnapshot(Generic[T]):
 
     Example::
 
-        from shardweave.mesh.extension_points import ALL_GATHER
+        from shardweave.mesh.extension_points import PARAM_KINDS
 
         @pytest.fixture
-        def all_gather_point():
-            saved = ALL_GATHER.snapshot()
-            yield ALL_GATHER  # a test may register fakes freely
-            ALL_GATHER.restore(saved)
+        def param_kinds_point():
+            saved = PARAM_KINDS.snapshot()
+            yield PARAM_KINDS  # a test may register fakes freely
+            PARAM_KINDS.restore(saved)
     """
 
     def __init__(self, point: ExtensionPoint[T], state: _State[T]) -> None:
@@ -192,7 +192,8 @@ class ExtensionPoint(Generic[T]):
     Args:
         group: the entry-point group, ``shardweave.<point>``.
         protocol: a ``runtime_checkable`` Protocol that every plugin must satisfy (checked
-            with ``isinstance``, so methods and attributes are checked by name only).
+            with ``isinstance``, so methods and attributes are checked by name only), or a
+            class every plugin must be an instance of (``ParamKind``).
         install: the distribution that ships this point's default plugins, named in errors.
 
     Example::
@@ -214,7 +215,7 @@ class ExtensionPoint(Generic[T]):
         if not _GROUP.fullmatch(group):
             raise ValueError(
                 f"ExtensionPoint: group {group!r} must be 'shardweave.<point>' with "
-                "[A-Za-z0-9_.-] characters, e.g. 'shardweave.all_gather'"
+                "[A-Za-z0-9_.-] characters, e.g. 'shardweave.param_kinds'"
             )
         try:
             isinstance(object(), protocol)
@@ -453,6 +454,12 @@ class ExtensionPoint(Generic[T]):
                 ) from stored.__cause__
 
     def _check(self, impl: object, where: str) -> None:
+        if not isinstance(impl, self._protocol) and not getattr(
+            self._protocol, "_is_protocol", False
+        ):
+            raise TypeError(
+                f"{where}: {impl!r} is a {type(impl).__name__}, not a {self._protocol.__name__}"
+            )
         if not isinstance(impl, self._protocol):
             missing = [
                 name for name in _protocol_members(self._protocol) if not hasattr(impl, name)

@@ -1,31 +1,44 @@
-"""The extension points the shardweave engine looks up, and the Protocols their plugins satisfy.
+"""The extension points the shardweave engine looks up, and the types their plugins provide.
 
 The FSDP engine and the plugins meet only here: the engine asks a point for a plugin, a
 distribution provides one through the point's entry-point group in its ``pyproject.toml``::
 
-    [project.entry-points."shardweave.all_gather"]
-    float8 = "my_package.all_gather:Float8AllGather"   # a zero-argument factory
+    [project.entry-points."shardweave.param_kinds"]
+    float8 = "my_package.kinds:float8_kind"   # a zero-argument factory returning a ParamKind
 
 or code registers one explicitly (which wins over discovery)::
 
-    from shardweave.mesh.extension_points import ALL_GATHER
+    from shardweave.mesh.extension_points import PARAM_KINDS, ParamKind
 
-    ALL_GATHER.register("float8", Float8AllGather())
+    PARAM_KINDS.register("float8", ParamKind(Float8Tensor, all_gather=Float8AllGather()))
 
-Type-keyed points (``handled_type``) are looked up with ``get_for_type(type(tensor))``, so a
-plugin for a class also covers its subclasses.
+There are two points:
 
-Where the engine consults each point:
-
-- ``PARAM_HANDLING``: at ``fully_shard``, for each parameter's class. A plugin for the class
-  (or a base) wins; a class no plugin handles gets the engine's built-in plain-tensor handler,
-  unless it is a DTensor, which raises ``MissingExtensionError``.
+- ``PARAM_KINDS``: one ``ParamKind`` per parameter kind (a tensor class, subclasses
+  included), which bundles everything the engine asks of that kind: its ``ParamHandler``, its
+  ``AllGatherExtension`` and its ``StateDictTransform``, each optional. A kind is registered
+  once; see Design note: one registration per kind.
 - ``COLLECTIVES``: in the engine's collective seam, once per device type. ``shardweave-fsdp``
   ships the c10d default under the key ``"default"``.
-- ``ALL_GATHER``: at the root's lazy init, for a sharded local tensor of a class that does not
-  define torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torch's methods win).
-- ``STATE_DICT``: in ``set_full_state_dict``, for a full value that is not a plain tensor
-  (a tensor-parallel DTensor from a TP-only checkpoint).
+
+Design note: one registration per kind
+    The engine asks ``PARAM_KINDS.find_for_type(cls)`` (MRO-aware: a kind for a base class
+    covers its subclasses, the most specific kind wins) at three places, each with the class
+    that matters there, and uses the part it needs of the kind found:
+
+    - at ``fully_shard``, the *parameter's* class, for ``ParamKind.handler``. A kind without
+      a handler, or a class no kind covers, gets the engine's built-in plain-tensor handler,
+      unless it is a DTensor: with no kind that raises ``MissingExtensionError`` naming
+      ``shardweave-extensions``, with a kind that has no handler ``TypeError``.
+    - at the root's lazy init, the *sharded local tensor's* class, for
+      ``ParamKind.all_gather``, when that tensor does not define torch's
+      ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torch's methods win).
+    - in ``set_full_state_dict``, the class of a *full value* that is not a plain tensor (a
+      tensor-parallel DTensor from a TP-only checkpoint), for ``ParamKind.state_dict``.
+
+    The most specific kind decides alone: a part it leaves out (None) is not taken from a
+    kind registered for a base class. So what the engine does with a class is read off one
+    registration, and a kind for a subclass cannot be half-mixed with its base's.
 
 The words *sharded*, *unsharded* and *all-gather input / output* are the engine's: see Design
 note: tensor vocabulary (``shardweave/fsdp/_fsdp_common.py`` in ``shardweave-fsdp``).
@@ -34,6 +47,7 @@ note: tensor vocabulary (``shardweave/fsdp/_fsdp_common.py`` in ``shardweave-fsd
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 
 from shardweave.mesh._mesh_info import DataParallelMeshInfo
@@ -46,13 +60,12 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
 __all__ = [
-    "ALL_GATHER",
     "COLLECTIVES",
-    "PARAM_HANDLING",
-    "STATE_DICT",
+    "PARAM_KINDS",
     "AllGatherExtension",
     "Collectives",
     "ParamHandler",
+    "ParamKind",
     "StateDictTransform",
 ]
 
@@ -76,7 +89,7 @@ class ParamHandler(Protocol):
 
     Example::
 
-        handler = PARAM_HANDLING.get_for_type(type(param))  # a TP DTensor parameter
+        handler = PARAM_KINDS.get_for_type(type(param)).handler  # a TP DTensor parameter
         local = handler.local_tensor(param)  # what FSDP chunks on shard_dim
         template = handler.template(param, mesh_info)
         mesh, placements = handler.sharded_spec(param, mesh_info, 0)
@@ -125,9 +138,10 @@ class AllGatherExtension(Protocol):
 
     For tensor classes that do not define torch's ``fsdp_pre_all_gather`` /
     ``fsdp_post_all_gather`` themselves (those are used as-is, as
-    :func:`shardweave.extensions.all_gather_in_dtype` does). The engine looks the sharded local
-    tensor's class up at the root's lazy init. With uneven shards every input must already have
-    the padded shard size (``ceil(rows / world)`` rows).
+    :func:`shardweave.extensions.all_gather_in_dtype` does). The ``all_gather`` part of a
+    ``ParamKind``: the engine looks the sharded local tensor's class up at the root's lazy
+    init. With uneven shards every input must already have the padded shard size
+    (``ceil(rows / world)`` rows).
 
     Example::
 
@@ -140,7 +154,7 @@ class AllGatherExtension(Protocol):
             def post_all_gather(self, outs, meta, dtype):
                 return outs[0].to(dtype)
 
-        ALL_GATHER.register("bf16", BF16AllGather())
+        PARAM_KINDS.register("bf16", ParamKind(MyTensor, all_gather=BF16AllGather()))
     """
 
     handled_type: type
@@ -167,14 +181,15 @@ class StateDictTransform(Protocol):
     """How a tensor of ``handled_type`` is chunked for a sharded state dict and gathered back.
 
     ``chunk`` needs no communication; ``gather`` is a collective over the sharded tensor's
-    mesh. The engine calls ``chunk`` in ``set_full_state_dict`` for full values of
-    ``handled_type`` that are not plain tensors (say a TP-only checkpoint's DTensors);
-    ``gather`` is for state-dict code of your own.
+    mesh. The ``state_dict`` part of a ``ParamKind``: the engine calls ``chunk`` in
+    ``set_full_state_dict`` for full values of ``handled_type`` that are not plain tensors
+    (say a TP-only checkpoint's DTensors); ``gather`` is for state-dict code of your own.
 
     Example::
 
         def load_full(param, full):  # param: a sharded DTensor parameter
-            transform = STATE_DICT.find_for_type(type(full))
+            kind = PARAM_KINDS.find_for_type(type(full))
+            transform = None if kind is None else kind.state_dict
             mesh, placements = param.device_mesh, param.placements
             if transform is None:  # a plain tensor: every rank has it, so cut it locally
                 return distribute_tensor(full, mesh, placements, src_data_rank=None)
@@ -200,6 +215,65 @@ class StateDictTransform(Protocol):
         A collective: every rank of the sharded tensor's mesh must call it.
         """
         ...
+
+
+@dataclass(frozen=True)
+class ParamKind:
+    """A parameter kind: the one registration that says how the engine treats a tensor class.
+
+    Register one per kind on ``PARAM_KINDS`` (see Design note: one registration per kind);
+    each part is optional and is used where the engine looks the kind up:
+
+    Attributes:
+        handled_type: the tensor class of the kind (subclasses included).
+        handler: how a parameter of the kind is sharded and rebuilt; None means the engine's
+            built-in plain-tensor handler (say a float8-like subclass that only changes the
+            all-gather). DTensor kinds need one.
+        all_gather: what a sharded local tensor of the kind sends through the all-gather,
+            when its class does not define torch's ``fsdp_pre/post_all_gather``.
+        state_dict: how ``set_full_state_dict`` cuts a full value of the kind.
+
+    Each part must satisfy its Protocol, and its own ``handled_type`` must be the kind's
+    class or a base of it (a part written for ``DTensor`` serves a kind for a DTensor
+    subclass); otherwise construction raises ``TypeError``.
+
+    Example::
+
+        PARAM_KINDS.register(
+            "tagged", ParamKind(Tagged, all_gather=TaggedAllGather(), state_dict=None)
+        )
+        kind = PARAM_KINDS.get_for_type(SubTagged)  # the same kind: subclasses included
+        kind.handler  # None: parameters are sharded as plain tensors
+    """
+
+    handled_type: type
+    handler: ParamHandler | None = None
+    all_gather: AllGatherExtension | None = None
+    state_dict: StateDictTransform | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.handled_type, type):
+            raise TypeError(f"ParamKind: handled_type must be a class, got {self.handled_type!r}")
+        parts: tuple[tuple[str, object, type], ...] = (
+            ("handler", self.handler, ParamHandler),
+            ("all_gather", self.all_gather, AllGatherExtension),
+            ("state_dict", self.state_dict, StateDictTransform),
+        )
+        for name, part, protocol in parts:
+            if part is None:
+                continue
+            where = f"ParamKind({self.handled_type.__qualname__}).{name}"
+            if not isinstance(part, protocol):
+                raise TypeError(
+                    f"{where}: {part!r} does not satisfy the {protocol.__name__} protocol"
+                )
+            handled = getattr(part, "handled_type", None)
+            if not isinstance(handled, type) or not issubclass(self.handled_type, handled):
+                raise TypeError(
+                    f"{where}: {part!r} handles "
+                    f"{getattr(handled, '__qualname__', repr(handled))}, which is not "
+                    f"{self.handled_type.__qualname__} or a base of it"
+                )
 
 
 @runtime_checkable
@@ -266,20 +340,10 @@ class Collectives(Protocol):
         ...
 
 
-PARAM_HANDLING: Final[ExtensionPoint[ParamHandler]] = ExtensionPoint(
-    "shardweave.param_handling", ParamHandler, install="shardweave-extensions"
+PARAM_KINDS: Final[ExtensionPoint[ParamKind]] = ExtensionPoint(
+    "shardweave.param_kinds", ParamKind, install="shardweave-extensions"
 )
-"""Per parameter type: how it is sharded and rebuilt (plain tensors are the engine's default)."""
-
-ALL_GATHER: Final[ExtensionPoint[AllGatherExtension]] = ExtensionPoint(
-    "shardweave.all_gather", AllGatherExtension, install="shardweave-extensions"
-)
-"""Per tensor subclass: what it sends through the all-gather."""
-
-STATE_DICT: Final[ExtensionPoint[StateDictTransform]] = ExtensionPoint(
-    "shardweave.state_dict", StateDictTransform, install="shardweave-extensions"
-)
-"""Per tensor type: chunking for sharded state dicts and gathering back."""
+"""Per tensor class: the ``ParamKind`` (handler, all-gather, state-dict transform) of the kind."""
 
 COLLECTIVES: Final[ExtensionPoint[Collectives]] = ExtensionPoint(
     "shardweave.collectives", Collectives, install="shardweave-fsdp"
