@@ -18,7 +18,8 @@ from shardweave.mesh.extension_points import PARAM_KINDS, ParamKind
 
 ROOT = Path(__file__).resolve().parents[3]
 REMOVED = re.compile(
-    r"(?<![A-Za-z_])(PARAM_HANDLING|ALL_GATHER|STATE_DICT)\b"
+    # not CollectiveKind.ALL_GATHER, nor that enum member's definition
+    r"(?<![A-Za-z_.])(PARAM_HANDLING|ALL_GATHER|STATE_DICT)\b(?! = \")"
     r"|shardweave\.(param_handling|all_gather|state_dict)\b"
 )
 GROUPS = {p.group for p in vars(points).values() if isinstance(p, ExtensionPoint)}
