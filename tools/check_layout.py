@@ -98,13 +98,7 @@ def _imported_modules(
             for alias in node.names:
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = module_name.split(".")
-                base_parts = parts if is_pkg else parts[:-1]
-                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
-                base = ".".join(p for p in [*base_parts, node.module or ""] if p)
-            else:
-                base = node.module or ""
+            base = _import_base(node, module_name, is_pkg)
             names = [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
             # `from torch.distributed.fsdp import MixedPrecisionPolicy` imports one allowed name,
             # not the package as a whole
@@ -409,13 +403,7 @@ def _own_imports(
                 if target is not None:
                     yield node.lineno, target, kind
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = module_name.split(".")
-                base_parts = parts if is_pkg else parts[:-1]
-                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
-                base = ".".join(p for p in [*base_parts, node.module or ""] if p)
-            else:
-                base = node.module or ""
+            base = _import_base(node, module_name, is_pkg)
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 target = full if full in modules else _resolve(base, modules)
@@ -440,6 +428,16 @@ def _own_imports(
     yield from visit(tree, "module")
 
 
+def _import_base(node: ast.ImportFrom, module_name: str, is_pkg: bool) -> str:
+    """The absolute module a ``from ... import`` reads from (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    parts = module_name.split(".")
+    base_parts = parts if is_pkg else parts[:-1]
+    base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+    return ".".join(p for p in [*base_parts, node.module or ""] if p)
+
+
 def _is_private(name: str) -> bool:
     return name[:1] == "_" and name[:2] != "__"
 
@@ -458,13 +456,7 @@ def _private_uses(
                 elif alias.asname is None and _resolve(alias.name, modules):
                     bound[alias.name.split(".")[0]] = alias.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = module_name.split(".")
-                base_parts = parts if is_pkg else parts[:-1]
-                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
-                base = ".".join(p for p in [*base_parts, node.module or ""] if p)
-            else:
-                base = node.module or ""
+            base = _import_base(node, module_name, is_pkg)
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 if full in modules:
