@@ -570,7 +570,8 @@ def _group_plan(
         post_forward_input_bytes=post if len(spec.params) > 1 else 0,
         unsharded_grad_bytes=ugrad,
         reduce_scatter_input_bytes=rs,
-        reduce_scatter_output_bytes=ar if world > 1 else 0,
+        reduce_scatter_output_bytes=ar,
+        reduce_scatter_issued=world > 1,
         sharded_grad_bytes=0 if offload else grad,  # offloaded: copied to the host
         reduce_output_cast=out_dtype_differs or offload,
         all_reduce=all_reduce and trainable > 0,

@@ -25,7 +25,9 @@ Design note: the modeled step
     post-backward takes the group's *unsharded gradients*, frees the gathered parameters,
     and starts the reduction: the reduce-scatter input (``W x`` padded shard, reduce dtype)
     is allocated, the unsharded gradients are freed, the output (one padded shard) is
-    allocated and the reduce-scatter issued. When each reduction is retired is the engine's
+    allocated and the reduce-scatter issued (with one rank per shard group the input is copied
+    into the output, which the engine allocates all the same, and an HSDP all-reduce is issued
+    at once). When each reduction is retired is the engine's
     rule, read from ``_reduction`` (``reduce_scatters_to_retire``, as ``ReductionSchedule``
     applies it): the next post-backward first finishes the all-reduces issued at earlier
     retirements, then retires the oldest reduce-scatters until at most
@@ -87,7 +89,9 @@ class GroupTraffic:
     post_forward_input_bytes: int  # their concatenation when gathered again (0: one param)
     unsharded_grad_bytes: int
     reduce_scatter_input_bytes: int
-    reduce_scatter_output_bytes: int  # 0 with one rank per shard group (input is the output)
+    # Allocated on the reduce-scatter stream also with one rank per shard group, where the
+    # input is copied into it rather than reduce-scattered (``_reduction.GradientReduction``).
+    reduce_scatter_output_bytes: int
     sharded_grad_bytes: int
     reduce_output_cast: bool  # reduce dtype differs from the parameters': output is cast
     all_reduce: bool  # HSDP: the reduce-scatter output is all-reduced over replicas
@@ -103,6 +107,9 @@ class GroupTraffic:
     backend_all_gather_bytes: int = 0
     backend_reduce_scatter_bytes: int = 0
     backend_all_reduce_bytes: int = 0
+    # False with one rank per shard group: no reduce-scatter runs (the copy is done at once),
+    # so an HSDP all-reduce is issued at the group's post-backward, not at its retirement.
+    reduce_scatter_issued: bool = True
 
 
 @dataclass(frozen=True)
@@ -356,18 +363,20 @@ class Replay:
         else:
             self.add("unsharded_grads", -g.unsharded_grad_bytes, key, "grads freed")
         self.add("comm_buffers", g.reduce_scatter_output_bytes, key, "reduce-scatter output")
-        if g.reduce_scatter_output_bytes:
+        if g.reduce_scatter_issued:
             self.add("comm_buffers", g.backend_reduce_scatter_bytes, key, "backend staging")
         elif g.all_reduce:  # nothing to reduce-scatter: the all-reduce is issued at once
             self.add("comm_buffers", g.backend_all_reduce_bytes, key, "backend staging")
         self.reduce_scatters.append(g)
 
     def _retire(self, g: GroupTraffic) -> None:
-        if g.reduce_scatter_output_bytes:  # the input is released once the collective is done
+        # The engine's _retire_reduce_scatter: the reduce-scatter is waited for (with one
+        # rank, the copy was), its input released; an HSDP all-reduce is issued if it was not.
+        if g.reduce_scatter_issued:
             self.add("comm_buffers", -g.backend_reduce_scatter_bytes, g.key, "backend done")
-            self.add("comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done")
-            if g.all_reduce:
-                self.add("comm_buffers", g.backend_all_reduce_bytes, g.key, "backend staging")
+        self.add("comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done")
+        if g.all_reduce and g.reduce_scatter_issued:
+            self.add("comm_buffers", g.backend_all_reduce_bytes, g.key, "backend staging")
         if g.all_reduce:
             self.all_reduces.append(g)  # issued now, finished at the next post-backward
         else:
@@ -376,7 +385,7 @@ class Replay:
     def _finish(self, g: GroupTraffic) -> None:
         if g.all_reduce:
             self.add("comm_buffers", -g.backend_all_reduce_bytes, g.key, "all-reduce done")
-        out = g.reduce_scatter_output_bytes or g.reduce_scatter_input_bytes
+        out = g.reduce_scatter_output_bytes
         if g.reduce_output_cast:  # cast to the parameters' dtype: a new tensor, then free
             made = g.sharded_grad_bytes if self.set_to_none else 0
             self.add("sharded_grads", made, g.key, "sharded grads (cast)")
@@ -394,15 +403,16 @@ class Replay:
         self.phase = "final_callback"
         for key in self.order:  # the root's state first, then the others in module order
             self.post_backward(key)
+        # ReductionSchedule.finish: the all-reduces in flight, then every reduction left,
+        # oldest first, each finished in full (all-reduce included) and retired.
         for red in self.all_reduces:
             self._finish(red)
         self.all_reduces.clear()
-        for g in self.reduce_scatters:  # each finished in full, all-reduce included
-            if g.reduce_scatter_output_bytes:
-                self.add(
-                    "comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done"
-                )
-            self._finish(g)
+        for g in self.reduce_scatters:
+            self._retire(g)
+            for red in self.all_reduces:
+                self._finish(red)
+            self.all_reduces.clear()
         self.reduce_scatters.clear()
         self.phase = "after_backward"
 
