@@ -35,7 +35,11 @@ Design note: the modeled step
     under HSDP its all-reduce is issued and finished at a later post-backward), then the output
     becomes the *sharded gradients* (or is cast to the parameter dtype, a new tensor, and
     freed). The root's post-backward, and that of a module whose inputs need no grad, run in
-    the final callback (root first), which then finishes every reduction.
+    the final callback (root first), which then finishes every reduction. That is the CPU
+    schedule; on accelerators (``stream_ordered``, the plan for NCCL) a reduction runs to its
+    end when started: its sharded gradients exist from its post-backward on, its input is
+    freed at its retirement, and so is an all-reduced output that is not the gradients (a
+    cast's source, or one added into existing gradients).
 
     With ``set_to_none`` (``optimizer.zero_grad()``'s default) sharded gradients do not exist
     when the step starts and appear as reductions finish; otherwise they are there all along
@@ -163,6 +167,7 @@ class Replay:
         set_to_none: bool = True,
         keep_timeline: bool = True,
         reduce_scatter_max_input_buffers: int = 1,
+        stream_ordered: bool = False,
     ) -> None:
         self.groups = {g.key: g for g in groups}
         self.order = [g.key for g in groups]
@@ -172,6 +177,11 @@ class Replay:
         self.set_to_none = set_to_none
         self.keep_timeline = keep_timeline
         self.max_input_buffers = reduce_scatter_max_input_buffers
+        # Accelerators (ReductionSchedule.start): each reduction runs to its end when started,
+        # ordered by events; its input waits for its retirement, and so does an output another
+        # stream used (an HSDP all-reduce's) that is not the gradients themselves.
+        self.stream_ordered = stream_ordered
+        self.kept_outputs: dict[str, int] = {}
         self.state = dict.fromkeys(self.order, _State.SHARDED)
         self.pending: set[str] = set()
         self.pending_from_post_forward: set[str] = set()
@@ -368,6 +378,10 @@ class Replay:
         elif g.all_reduce:  # nothing to reduce-scatter: the all-reduce is issued at once
             self.add("comm_buffers", g.backend_all_reduce_bytes, key, "backend staging")
         self.reduce_scatters.append(g)
+        if self.stream_ordered:
+            if g.all_reduce and g.reduce_scatter_issued:
+                self.add("comm_buffers", g.backend_all_reduce_bytes, key, "backend staging")
+            self._finish(g, keep_output=g.all_reduce)
 
     def _retire(self, g: GroupTraffic) -> None:
         # The engine's _retire_reduce_scatter: the reduce-scatter is waited for (with one
@@ -375,6 +389,9 @@ class Replay:
         if g.reduce_scatter_issued:
             self.add("comm_buffers", -g.backend_reduce_scatter_bytes, g.key, "backend done")
         self.add("comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done")
+        if self.stream_ordered:  # finished when started; what it kept is released now
+            self.add("comm_buffers", -self.kept_outputs.pop(g.key, 0), g.key, "output released")
+            return
         if g.all_reduce and g.reduce_scatter_issued:
             self.add("comm_buffers", g.backend_all_reduce_bytes, g.key, "backend staging")
         if g.all_reduce:
@@ -382,7 +399,10 @@ class Replay:
         else:
             self._finish(g)
 
-    def _finish(self, g: GroupTraffic) -> None:
+    def _finish(self, g: GroupTraffic, keep_output: bool = False) -> None:
+        """The reduction's end: the sharded gradients. ``keep_output``: an output that is
+        not the gradients stays until the reduction is retired (accelerators, after an
+        all-reduce: the reduce-scatter stream waits for its last use first)."""
         if g.all_reduce:
             self.add("comm_buffers", -g.backend_all_reduce_bytes, g.key, "all-reduce done")
         out = g.reduce_scatter_output_bytes
@@ -392,12 +412,15 @@ class Replay:
             if not self.set_to_none:  # the cast copy is added into the grads, then freed
                 self.add("comm_buffers", g.sharded_grad_bytes, g.key, "cast for accumulation")
                 self.add("comm_buffers", -g.sharded_grad_bytes, g.key, "accumulated")
-            self.add("comm_buffers", -out, g.key, "reduce output freed")
         elif self.set_to_none:  # the output becomes the sharded gradients
             self.bytes["comm_buffers"] -= out
             self.add("sharded_grads", g.sharded_grad_bytes, g.key, "sharded grads")
-        else:  # added into the existing sharded gradients
-            self.add("comm_buffers", -out, g.key, "reduce output accumulated")
+            return
+        # A cast's source, or (accumulating) an output added into the existing gradients.
+        if keep_output:
+            self.kept_outputs[g.key] = out
+        else:
+            self.add("comm_buffers", -out, g.key, "reduce output freed")
 
     def final_callback(self) -> None:
         self.phase = "final_callback"
@@ -450,6 +473,7 @@ def simulate_step(
     backward_prefetch: int = 1,
     set_to_none: bool = True,
     reduce_scatter_max_input_buffers: int = 1,
+    stream_ordered: bool = False,
 ) -> ScheduleResult:
     """Replay one step over ``groups`` (forward order, root first); see Design note above."""
     if not groups:
@@ -460,4 +484,5 @@ def simulate_step(
         backward_prefetch=backward_prefetch,
         set_to_none=set_to_none,
         reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
+        stream_ordered=stream_ordered,
     ).walk()
