@@ -11,6 +11,7 @@ modules compute with is only ever read by operators).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
 from shardweave.fsdp._fsdp_state import get_fsdp_state
+from shardweave.fsdp._fsdp_streams import use_device_module
 from shardweave.fsdp.plan import Plan, plan
 from tests.fsdp._models import TinyGPT
 
@@ -85,12 +87,14 @@ def plan_for(cfg: dict[str, Any], world: int) -> Plan:
         mesh=cfg.get("mesh", world),
         wrap="Linear" if kind == "mlp" else "Block",
         mp_policy="bf16" if cfg.get("mp") else None,
-        reduce_dtype="fp32" if cfg.get("mp") else None,
+        reduce_dtype="fp32" if cfg.get("mp") else cfg.get("reduce"),
         reshard_after_forward=cfg.get("reshard", True),
         optimizer=cfg.get("optim", "adamw"),
         sample_input=(MLP_INPUT, torch.float32) if kind == "mlp" else (GPT_INPUT, torch.long),
         loss_fn=loss_of(kind),
-        backend="gloo",
+        # The test accelerator's run is planned as an accelerator's (NCCL: no staging copies;
+        # gloo's, for its fp32 and one-rank collectives here, are gone before the peak).
+        backend="nccl" if cfg.get("accelerator") else "gloo",
         shard_placement_fn=dim1_where_even if cfg.get("placement") else None,
     )
 
@@ -132,7 +136,9 @@ class _GatheredSampler(TorchDispatchMode):
 
 
 def _peak_in_window(prof: Any) -> tuple[int, int]:
-    """(peak, total before the window) of live CPU tensor bytes; see the module docstring."""
+    """(peak, total before the window) of live CPU tensor bytes; see the module docstring.
+    With several windows (identical steps), the smallest peak and its window's total before:
+    what a backend's threads free late only ever adds to a window's peak."""
     from torch._C._profiler import _EventType
 
     events: list[Any] = []
@@ -141,19 +147,25 @@ def _peak_in_window(prof: Any) -> tuple[int, int]:
         ev = todo.pop()
         events.append(ev)
         todo.extend(ev.children)
-    (window,) = [e for e in events if e.name == WINDOW]
+    windows = [e for e in events if e.name == WINDOW]
+    assert windows, "no measured window"
     allocs = sorted(
         (e.start_time_ns, e.typed[1].total_allocated, e.typed[1].alloc_size)
         for e in events
         if e.tag == _EventType.Allocation and e.typed[1].device.type == "cpu"
     )
     offset = allocs[0][1] - allocs[0][2]
-    before_events = [total for t, total, _ in allocs if t < window.start_time_ns]
-    before = before_events[-1] - offset if before_events else 0
-    inside = [
-        total - offset for t, total, _ in allocs if window.start_time_ns <= t <= window.end_time_ns
-    ]
-    return max([before, *inside]), before
+    found = []
+    for window in windows:
+        before_events = [total for t, total, _ in allocs if t < window.start_time_ns]
+        before = before_events[-1] - offset if before_events else 0
+        inside = [
+            total - offset
+            for t, total, _ in allocs
+            if window.start_time_ns <= t <= window.end_time_ns
+        ]
+        found.append((max([before, *inside]), before))
+    return min(found)
 
 
 def _storage_bytes(tensors: Iterator[torch.Tensor]) -> int:
@@ -173,6 +185,26 @@ def _mesh(cfg: dict[str, Any], world: int) -> DeviceMesh:
     return init_device_mesh("cpu", (world,))
 
 
+def never_below(cfg: dict[str, Any]) -> bool:
+    """HSDP with one rank per shard group (R x 1) computing in fp32: the plan's peak must
+    never be below the measured one. Not checked, the 5% band only: with bf16 compute, CPU
+    matmuls allocate fp32 temporaries inside the kernel, about 1% of the gpt's peak and 17% of
+    the mlp's, that a fake-tensor run cannot see (an activations matter); on the test
+    accelerator with a bf16 reduce, gloo's Work of an all-reduce issued with
+    ``async_op=False`` keeps the reduced tensor (one group's reduce output) after the engine
+    released it, until gloo's thread drops the Work (NCCL's does not)."""
+    mesh = cfg.get("mesh")
+    one_rank = isinstance(mesh, tuple) and mesh[-1] == 1
+    return one_rank and not cfg.get("mp") and not (cfg.get("accelerator") and cfg.get("reduce"))
+
+
+def windows(cfg: dict[str, Any]) -> int:
+    """Measured steps: the smallest peak of three where the plan must not be below it (gloo's
+    threads drop their references to an earlier collective's tensors late on a loaded
+    machine: 12 and 552 bytes above the step's own peak were seen on the R x 1 mlp)."""
+    return 3 if never_below(cfg) else 1
+
+
 def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """This rank's measured lines and peak, with the plan's predictions for this rank."""
     kind = cfg["kind"]
@@ -182,10 +214,21 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"mesh": mesh}
     if cfg.get("mp"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    elif cfg.get("reduce"):  # fp32 compute, gradients reduced in a lower precision
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            reduce_dtype={"bf16": torch.bfloat16}[cfg["reduce"]]
+        )
     if cfg.get("placement"):
         kwargs["shard_placement_fn"] = dim1_where_even
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with prof:
+    # "accelerator": the engine's accelerator branches on CPU tensors (each reduction run to
+    # its end when started, buffers released by reference once the owning stream waited).
+    branches = (
+        use_device_module(torch.cpu, stream_ordered=True)
+        if cfg.get("accelerator")
+        else contextlib.nullcontext()
+    )
+    with prof, branches:
         torch.manual_seed(0)
         model = FACTORIES[kind]()
         blocks = (
@@ -207,10 +250,14 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         sampler = _GatheredSampler(model)
-        with record_function(WINDOW), sampler:
-            loss = loss_fn(model(batch), batch)
-            loss.backward()
-            del loss
+        for window in range(windows(cfg)):
+            if window:
+                opt.step()
+                opt.zero_grad()
+            with record_function(WINDOW), sampler:
+                loss = loss_fn(model(batch), batch)
+                loss.backward()
+                del loss
         groups = [
             g for m in model.modules() if (s := get_fsdp_state(m)) for g in s._fsdp_param_groups
         ]
@@ -265,9 +312,12 @@ def case_id(case: dict[str, Any]) -> str:
 
 
 def assert_plan_matches(results: list[dict[str, Any]], case: dict[str, Any]) -> None:
-    """Every rank: the exact lines equal, the peak with activations within 5% of the measured."""
+    """Every rank: the exact lines equal, the peak with activations within 5% of the measured
+    and, on R x 1 meshes in fp32, not below it (``never_below``)."""
     for rank, r in enumerate(results):
         m, p = r["measured"], r["predicted"]
         for line in EXACT_LINES:
             assert m[line] == p[line], (case, rank, line, m[line], p[line])
         assert abs(m["peak"] - p["peak"]) <= 0.05 * m["peak"], (case, rank, m, p)
+        if never_below(case):
+            assert p["peak"] >= m["peak"], ("plan below the measured peak", case, rank, m, p)

@@ -512,3 +512,57 @@ def test_cpu_offload() -> None:
     # shard size 1: offloaded shards are not aliased, they are copied to the device
     one = plan(lambda: nn.Linear(10, 7), mesh="2x1", offload=True)
     assert one.peak_gathered_param_bytes == 77 * F32 and one.collectives["all_gather"] == 0
+
+
+def _one_rank_hsdp_replay(stream_ordered: bool) -> list[tuple[int, int]]:
+    """(communication buffers, sharded gradients) after each post-backward of three groups on
+    an R x 1 mesh whose bf16 reduce output is cast to fp32 gradients (100 bytes in and out,
+    200 bytes of gradients each), in backward order c, b, a."""
+    from shardweave.fsdp.plan._schedule import GroupTraffic, Replay
+
+    def group(key: str, parent: str | None, grads: int) -> GroupTraffic:
+        return GroupTraffic(
+            key=key,
+            parent=parent,
+            gathered_bytes=0,
+            all_gather_output_bytes=0,
+            all_gather_input_bytes=0,
+            post_forward_bytes=0,
+            post_forward_input_bytes=0,
+            unsharded_grad_bytes=grads,
+            reduce_scatter_input_bytes=100,
+            reduce_scatter_output_bytes=100,
+            sharded_grad_bytes=200,
+            reduce_output_cast=True,
+            all_reduce=True,
+            reshard_after_forward=True,
+            deferred_post_backward=parent is None,
+            reduce_scatter_issued=False,
+        )
+
+    replay = Replay(
+        [group("r", None, 0), *(group(k, "r", 400) for k in "abc")],
+        stream_ordered=stream_ordered,
+    )
+    replay.start_backward()
+    lines = []
+    for key in "cba":
+        replay.grads_computed(key)
+        replay.post_backward(key)
+        lines.append((replay.bytes["comm_buffers"], replay.bytes["sharded_grads"]))
+    replay.final_callback()
+    assert replay.bytes["comm_buffers"] == 0 and replay.bytes["sharded_grads"] == 600
+    return lines
+
+
+def test_one_rank_hsdp_reduction_buffers() -> None:
+    """Closed form (the engine's ReductionSchedule, R x 1): the input is copied into an output
+    of its own, then all-reduced; the input is released when the next group's reduction
+    retires it. On CPU the all-reduce is waited at the post-backward after that, when the
+    output is cast into the gradients; on accelerators the reduction runs to its end at once
+    (the gradients exist from then on) and the output waits for the next group's
+    post-backward."""
+    # CPU: own input and output, and the previous group's output (its all-reduce in flight).
+    assert _one_rank_hsdp_replay(stream_ordered=False) == [(200, 0), (300, 0), (300, 200)]
+    # Accelerators: own input and output; every gradient so far.
+    assert _one_rank_hsdp_replay(stream_ordered=True) == [(200, 200), (200, 400), (200, 600)]

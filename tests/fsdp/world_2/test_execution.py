@@ -9,6 +9,7 @@ the engine's schedule fixes that exactly).
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -153,3 +154,52 @@ def test_all_reduce_hook_runs_before_gradients_are_assigned(world2: WorkerPool) 
     """Closed form: the deferred reduction still runs the hook exactly once per backward, on
     the reduced flat gradients, before the sharded gradients exist."""
     assert world2.run(hsdp_style_all_reduce_hook_order) == [["hook"], ["hook"]]
+
+
+def retired_inputs_released(rank: int, world: int) -> list[bool]:
+    """HSDP with one rank per shard group (2x1 mesh), on CPU: whether each retired reduction's
+    reduce-scatter input was still referenced anywhere right after its retirement."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    inputs: dict[int, weakref.ref[torch.Tensor]] = {}
+    alive: list[bool] = []
+    start, retire = GradientReduction.start, ReductionSchedule._retire_reduce_scatter
+
+    def recording_start(self: GradientReduction) -> None:
+        start(self)
+        assert self.reduce_scatter_input is not None
+        inputs[id(self)] = weakref.ref(self.reduce_scatter_input)
+
+    def checking_retire(self: ReductionSchedule, reduction: GradientReduction) -> None:
+        retire(self, reduction)
+        alive.append(inputs[id(reduction)]() is not None)
+
+    GradientReduction.start = recording_start  # type: ignore[method-assign]
+    ReductionSchedule._retire_reduce_scatter = checking_retire  # type: ignore[method-assign]
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    finally:
+        GradientReduction.start = start  # type: ignore[method-assign]
+        ReductionSchedule._retire_reduce_scatter = retire  # type: ignore[method-assign]
+    return alive
+
+
+def test_one_rank_reduce_scatter_input_released_at_retirement(world2: WorkerPool) -> None:
+    """Closed form (ReductionSchedule's rule, point 6): a retired reduction's input is released
+    even while its HSDP all-reduce still runs. With one rank per shard group the input is
+    copied into the output, then all-reduced; on CPU the reduction pauses at the all-reduce,
+    and its paused sequence used to keep the input alive until the all-reduce finished (one
+    group's input above the planner's peak, and above torch's, which drops it there)."""
+    for alive in world2.run(retired_inputs_released):
+        assert alive and not any(alive), alive

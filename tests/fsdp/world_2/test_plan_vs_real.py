@@ -3,7 +3,10 @@
 Oracle: *measurement* on real ranks (``tests/fsdp/_plan_real``): the bytes each rank holds
 (flat shard buffers, sharded gradients, optimizer state) and the peaks of gathered parameters
 and of unsharded gradients must match the plan exactly; the step's peak live tensor bytes, counted as the benchmark counts
-them, within 5% of the plan's peak with activations.
+them, within 5% of the plan's peak with activations and, on R x 1 meshes computing in fp32,
+never above it (``_plan_real.never_below``: the smallest peak of three steps). Cases with
+``accelerator`` run the engine's accelerator branches on CPU tensors (``use_device_module(...,
+stream_ordered=True)``) against the plan for NCCL.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ CASES: list[dict[str, Any]] = [
     {"kind": "mlp", "optim": "sgd_momentum"},
     {"kind": "gpt", "mesh": (2, 1)},
     {"kind": "gpt", "placement": True},
+    {"kind": "mlp", "mesh": (2, 1)},
+    {"kind": "mlp", "mesh": (2, 1), "reduce": "bf16"},
+    {"kind": "mlp", "mesh": (2, 1), "accelerator": True},
+    {"kind": "mlp", "mesh": (2, 1), "reduce": "bf16", "accelerator": True},
 ]
 
 

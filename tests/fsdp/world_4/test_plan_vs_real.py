@@ -3,7 +3,8 @@
 Oracle: *measurement* on real ranks (``tests/fsdp/_plan_real``): the bytes each rank holds
 (flat shard buffers, sharded gradients, optimizer state) and the peaks of gathered parameters
 and of unsharded gradients must match the plan exactly; the step's peak live tensor bytes, counted as the benchmark counts
-them, within 5% of the plan's peak with activations.
+them, within 5% of the plan's peak with activations and, on R x 1 meshes computing in fp32,
+never above it (``_plan_real.never_below``: the smallest peak of three steps).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ CASES: list[dict[str, Any]] = [
     {"kind": "gpt", "mesh": (2, 2)},
     {"kind": "gpt", "mesh": (4, 1), "mp": True},
     {"kind": "gpt", "placement": True, "reshard": False},
+    {"kind": "mlp", "mesh": (4, 1)},
+    {"kind": "mlp", "mesh": (2, 2)},
 ]
 
 

@@ -269,6 +269,32 @@ class GradientReduction:
                 if source.on_done is not None:
                     source.on_done(stop.value)
 
+    def _issue_reduce_scatter(
+        self,
+        rs_input: torch.Tensor,
+        output: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: ReduceOpLike,
+    ) -> InFlight:
+        comm = self._rs_comm
+
+        def launch(async_op: bool) -> dist.Work | None:
+            return comm(
+                output_tensor=output, input_tensor=rs_input, group=group, op=op, async_op=async_op
+            )
+
+        return issue(
+            CollectiveKind.REDUCE_SCATTER,
+            launch,
+            group=group,
+            tensor=rs_input,
+            name=self._name,
+            trace_key=self._trace_key,
+            streams=self._streams,
+            stream=self._streams.reduce_scatter,
+            what=lambda: self._what("reduce-scatter"),
+        )
+
     def _run(self) -> Generator[tuple[InFlight, Any], None, torch.Tensor | None]:
         streams, rdtype = self._streams, self._rdtype
         rs_group, ar_group = self._rs_group, self._ar_group
@@ -308,28 +334,7 @@ class GradientReduction:
             output = self._rs_comm.allocate((out_numel,), dtype=rdtype, device=self._device)
         if world > 1:
             assert rs_group is not None
-            comm, out = self._rs_comm, output
-
-            def launch(async_op: bool) -> dist.Work | None:
-                return comm(
-                    output_tensor=out,
-                    input_tensor=rs_input,
-                    group=rs_group,
-                    op=rs_op,
-                    async_op=async_op,
-                )
-
-            in_flight = issue(
-                CollectiveKind.REDUCE_SCATTER,
-                launch,
-                group=rs_group,
-                tensor=rs_input,
-                name=self._name,
-                trace_key=self._trace_key,
-                streams=streams,
-                stream=rs_stream,
-                what=lambda: self._what("reduce-scatter"),
-            )
+            in_flight = self._issue_reduce_scatter(rs_input, output, rs_group, rs_op)
             self.reduce_scatter_event = in_flight.event
             yield in_flight, rs_stream
             self.reduce_scatter_finished_on_host = in_flight.finished_on_host
@@ -342,6 +347,10 @@ class GradientReduction:
                 else:
                     output.copy_(rs_input)
             self.reduce_scatter_event = rs_stream.record_event()
+        # Read in full: from here only ``reduce_scatter_input`` keeps it, until the schedule
+        # retires this reduce-scatter (point 6). A reference held here would keep it through
+        # the all-reduce on CPU, where this sequence pauses there.
+        del rs_input
         post_stream = rs_stream
         if ar_group is not None:
             with streams.use(rs_stream):

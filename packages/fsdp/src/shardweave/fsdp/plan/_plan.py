@@ -238,7 +238,10 @@ def plan(
             peak with activations and when it is reached (see ``_activations``).
         loss_fn: ``loss_fn(output, input)`` for that step; the default sums the output.
         backend: ``"nccl"`` or ``"gloo"`` (which stages collectives in copies of its own,
-            counted as communication buffers while the collective is in flight).
+            counted as communication buffers while the collective is in flight). ``"nccl"``
+            replays the engine's accelerator schedule (each gradient reduction runs to its end
+            when started, ordered by events), ``"gloo"`` its CPU one (waits at later
+            post-backwards).
         shard_placement_fn: as ``fully_shard``'s: ``Shard(dim)`` or ``None`` (dim 0) per
             parameter; a dim other than 0 must be divisible by the shard size, and costs a
             scratch copy at each copy-out and a re-laid-out gradient at each reduce-scatter.
@@ -318,6 +321,7 @@ def plan(
         backward_prefetch=backward_prefetch,
         set_to_none=set_to_none,
         reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
+        stream_ordered=backend == "nccl",
     )
     final: list[GroupPlan] = []
     for gp in groups:
@@ -364,6 +368,7 @@ def plan(
             set_to_none=set_to_none,
             keep_timeline=False,
             reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
+            stream_ordered=backend == "nccl",
         )
         fake = run_fake_step(
             model, fake_tensors, specs, replay, sample_input, loss_fn, mp.param_dtype
@@ -570,7 +575,8 @@ def _group_plan(
         post_forward_input_bytes=post if len(spec.params) > 1 else 0,
         unsharded_grad_bytes=ugrad,
         reduce_scatter_input_bytes=rs,
-        reduce_scatter_output_bytes=ar if world > 1 else 0,
+        reduce_scatter_output_bytes=ar,
+        reduce_scatter_issued=world > 1,
         sharded_grad_bytes=0 if offload else grad,  # offloaded: copied to the host
         reduce_output_cast=out_dtype_differs or offload,
         all_reduce=all_reduce and trainable > 0,

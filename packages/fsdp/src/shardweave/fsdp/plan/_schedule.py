@@ -25,7 +25,9 @@ Design note: the modeled step
     post-backward takes the group's *unsharded gradients*, frees the gathered parameters,
     and starts the reduction: the reduce-scatter input (``W x`` padded shard, reduce dtype)
     is allocated, the unsharded gradients are freed, the output (one padded shard) is
-    allocated and the reduce-scatter issued. When each reduction is retired is the engine's
+    allocated and the reduce-scatter issued (with one rank per shard group the input is copied
+    into the output, which the engine allocates all the same, and an HSDP all-reduce is issued
+    at once). When each reduction is retired is the engine's
     rule, read from ``_reduction`` (``reduce_scatters_to_retire``, as ``ReductionSchedule``
     applies it): the next post-backward first finishes the all-reduces issued at earlier
     retirements, then retires the oldest reduce-scatters until at most
@@ -33,7 +35,11 @@ Design note: the modeled step
     under HSDP its all-reduce is issued and finished at a later post-backward), then the output
     becomes the *sharded gradients* (or is cast to the parameter dtype, a new tensor, and
     freed). The root's post-backward, and that of a module whose inputs need no grad, run in
-    the final callback (root first), which then finishes every reduction.
+    the final callback (root first), which then finishes every reduction. That is the CPU
+    schedule; on accelerators (``stream_ordered``, the plan for NCCL) a reduction runs to its
+    end when started: its sharded gradients exist from its post-backward on, its input is
+    freed at its retirement, and so is an all-reduced output that is not the gradients (a
+    cast's source, or one added into existing gradients).
 
     With ``set_to_none`` (``optimizer.zero_grad()``'s default) sharded gradients do not exist
     when the step starts and appear as reductions finish; otherwise they are there all along
@@ -87,7 +93,9 @@ class GroupTraffic:
     post_forward_input_bytes: int  # their concatenation when gathered again (0: one param)
     unsharded_grad_bytes: int
     reduce_scatter_input_bytes: int
-    reduce_scatter_output_bytes: int  # 0 with one rank per shard group (input is the output)
+    # Allocated on the reduce-scatter stream also with one rank per shard group, where the
+    # input is copied into it rather than reduce-scattered (``_reduction.GradientReduction``).
+    reduce_scatter_output_bytes: int
     sharded_grad_bytes: int
     reduce_output_cast: bool  # reduce dtype differs from the parameters': output is cast
     all_reduce: bool  # HSDP: the reduce-scatter output is all-reduced over replicas
@@ -103,6 +111,9 @@ class GroupTraffic:
     backend_all_gather_bytes: int = 0
     backend_reduce_scatter_bytes: int = 0
     backend_all_reduce_bytes: int = 0
+    # False with one rank per shard group: no reduce-scatter runs (the copy is done at once),
+    # so an HSDP all-reduce is issued at the group's post-backward, not at its retirement.
+    reduce_scatter_issued: bool = True
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,7 @@ class Replay:
         set_to_none: bool = True,
         keep_timeline: bool = True,
         reduce_scatter_max_input_buffers: int = 1,
+        stream_ordered: bool = False,
     ) -> None:
         self.groups = {g.key: g for g in groups}
         self.order = [g.key for g in groups]
@@ -165,6 +177,11 @@ class Replay:
         self.set_to_none = set_to_none
         self.keep_timeline = keep_timeline
         self.max_input_buffers = reduce_scatter_max_input_buffers
+        # Accelerators (ReductionSchedule.start): each reduction runs to its end when started,
+        # ordered by events; its input waits for its retirement, and so does an output another
+        # stream used (an HSDP all-reduce's) that is not the gradients themselves.
+        self.stream_ordered = stream_ordered
+        self.kept_outputs: dict[str, int] = {}
         self.state = dict.fromkeys(self.order, _State.SHARDED)
         self.pending: set[str] = set()
         self.pending_from_post_forward: set[str] = set()
@@ -356,53 +373,69 @@ class Replay:
         else:
             self.add("unsharded_grads", -g.unsharded_grad_bytes, key, "grads freed")
         self.add("comm_buffers", g.reduce_scatter_output_bytes, key, "reduce-scatter output")
-        if g.reduce_scatter_output_bytes:
+        if g.reduce_scatter_issued:
             self.add("comm_buffers", g.backend_reduce_scatter_bytes, key, "backend staging")
         elif g.all_reduce:  # nothing to reduce-scatter: the all-reduce is issued at once
             self.add("comm_buffers", g.backend_all_reduce_bytes, key, "backend staging")
         self.reduce_scatters.append(g)
+        if self.stream_ordered:
+            if g.all_reduce and g.reduce_scatter_issued:
+                self.add("comm_buffers", g.backend_all_reduce_bytes, key, "backend staging")
+            self._finish(g, keep_output=g.all_reduce)
 
     def _retire(self, g: GroupTraffic) -> None:
-        if g.reduce_scatter_output_bytes:  # the input is released once the collective is done
+        # The engine's _retire_reduce_scatter: the reduce-scatter is waited for (with one
+        # rank, the copy was), its input released; an HSDP all-reduce is issued if it was not.
+        if g.reduce_scatter_issued:
             self.add("comm_buffers", -g.backend_reduce_scatter_bytes, g.key, "backend done")
-            self.add("comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done")
-            if g.all_reduce:
-                self.add("comm_buffers", g.backend_all_reduce_bytes, g.key, "backend staging")
+        self.add("comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done")
+        if self.stream_ordered:  # finished when started; what it kept is released now
+            self.add("comm_buffers", -self.kept_outputs.pop(g.key, 0), g.key, "output released")
+            return
+        if g.all_reduce and g.reduce_scatter_issued:
+            self.add("comm_buffers", g.backend_all_reduce_bytes, g.key, "backend staging")
         if g.all_reduce:
             self.all_reduces.append(g)  # issued now, finished at the next post-backward
         else:
             self._finish(g)
 
-    def _finish(self, g: GroupTraffic) -> None:
+    def _finish(self, g: GroupTraffic, keep_output: bool = False) -> None:
+        """The reduction's end: the sharded gradients. ``keep_output``: an output that is
+        not the gradients stays until the reduction is retired (accelerators, after an
+        all-reduce: the reduce-scatter stream waits for its last use first)."""
         if g.all_reduce:
             self.add("comm_buffers", -g.backend_all_reduce_bytes, g.key, "all-reduce done")
-        out = g.reduce_scatter_output_bytes or g.reduce_scatter_input_bytes
+        out = g.reduce_scatter_output_bytes
         if g.reduce_output_cast:  # cast to the parameters' dtype: a new tensor, then free
             made = g.sharded_grad_bytes if self.set_to_none else 0
             self.add("sharded_grads", made, g.key, "sharded grads (cast)")
             if not self.set_to_none:  # the cast copy is added into the grads, then freed
                 self.add("comm_buffers", g.sharded_grad_bytes, g.key, "cast for accumulation")
                 self.add("comm_buffers", -g.sharded_grad_bytes, g.key, "accumulated")
-            self.add("comm_buffers", -out, g.key, "reduce output freed")
         elif self.set_to_none:  # the output becomes the sharded gradients
             self.bytes["comm_buffers"] -= out
             self.add("sharded_grads", g.sharded_grad_bytes, g.key, "sharded grads")
-        else:  # added into the existing sharded gradients
-            self.add("comm_buffers", -out, g.key, "reduce output accumulated")
+            return
+        # A cast's source, or (accumulating) an output added into the existing gradients.
+        if keep_output:
+            self.kept_outputs[g.key] = out
+        else:
+            self.add("comm_buffers", -out, g.key, "reduce output freed")
 
     def final_callback(self) -> None:
         self.phase = "final_callback"
         for key in self.order:  # the root's state first, then the others in module order
             self.post_backward(key)
+        # ReductionSchedule.finish: the all-reduces in flight, then every reduction left,
+        # oldest first, each finished in full (all-reduce included) and retired.
         for red in self.all_reduces:
             self._finish(red)
         self.all_reduces.clear()
-        for g in self.reduce_scatters:  # each finished in full, all-reduce included
-            if g.reduce_scatter_output_bytes:
-                self.add(
-                    "comm_buffers", -g.reduce_scatter_input_bytes, g.key, "reduce-scatter done"
-                )
-            self._finish(g)
+        for g in self.reduce_scatters:
+            self._retire(g)
+            for red in self.all_reduces:
+                self._finish(red)
+            self.all_reduces.clear()
         self.reduce_scatters.clear()
         self.phase = "after_backward"
 
@@ -440,6 +473,7 @@ def simulate_step(
     backward_prefetch: int = 1,
     set_to_none: bool = True,
     reduce_scatter_max_input_buffers: int = 1,
+    stream_ordered: bool = False,
 ) -> ScheduleResult:
     """Replay one step over ``groups`` (forward order, root first); see Design note above."""
     if not groups:
@@ -450,4 +484,5 @@ def simulate_step(
         backward_prefetch=backward_prefetch,
         set_to_none=set_to_none,
         reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
+        stream_ordered=stream_ordered,
     ).walk()
