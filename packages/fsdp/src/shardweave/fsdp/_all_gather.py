@@ -60,13 +60,19 @@ def all_gather_copy_in(
     return torch.cat(inputs), sizes, as_bytes
 
 
-def all_gather_copy_out(result: AllGatherResult, fsdp_params: Sequence[FSDPParam]) -> None:
-    """Split the gathered buffer into each parameter's all-gather output in one pass."""
+def all_gather_copy_out(
+    result: AllGatherResult,
+    fsdp_params: Sequence[FSDPParam],
+    outputs: Sequence[list[torch.Tensor]],
+) -> None:
+    """Split the gathered buffer into each parameter's all-gather output in one pass.
+
+    ``outputs``: each parameter's ``alloc_all_gather_outputs()``, allocated by the caller.
+    """
     world = result.world_size
     outs: list[torch.Tensor] = []
     fixups: list[tuple[FSDPParam, torch.Tensor]] = []
-    for fsdp_param in fsdp_params:
-        targets = fsdp_param.alloc_all_gather_outputs()
+    for fsdp_param, targets in zip(fsdp_params, outputs, strict=True):
         if fsdp_param.gathers_rows_of_shard_dim(result.post_forward):
             # Rows of a dim-d shard are chunks along d: gather into a scratch buffer, then
             # concatenate along d into the real layout.

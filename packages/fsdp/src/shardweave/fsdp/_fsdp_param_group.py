@@ -538,11 +538,12 @@ class FSDPParamGroup:
             _trace.ACTIVE.all_gather_done(self.trace_key)
         self._all_gather_result = None
         if result.split_sizes:  # empty when the unsharded params alias the shards
-            outs = tuple(t for p in self.fsdp_params for t in p.alloc_all_gather_outputs())
+            outputs = [p.alloc_all_gather_outputs() for p in self.fsdp_params]
+            outs = tuple(t for targets in outputs for t in targets)
             # See Design note: storage resize (FSDPParam). Refilling must not bump the version
             # counter, or autograd would reject the parameters it saved in forward.
             with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):
-                all_gather_copy_out(result, self.fsdp_params)
+                all_gather_copy_out(result, self.fsdp_params, outputs)
             copy_out_event = current.record_event()
             # Point 3: the all-gather streams must not reuse these buffers before the copy-out.
             self.comm_ctx.wait_for_previous_all_gather()
