@@ -541,9 +541,17 @@ class FSDPParamGroup:
             outputs = [p.alloc_all_gather_outputs() for p in self.fsdp_params]
             outs = tuple(t for targets in outputs for t in targets)
             # See Design note: storage resize (FSDPParam). Refilling must not bump the version
-            # counter, or autograd would reject the parameters it saved in forward.
-            with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):
+            # counter, or autograd would reject the parameters it saved in forward. What
+            # torch.no_grad() and _unsafe_preserve_version_counter(outs) do, without building
+            # the two context managers on every unshard.
+            versions = tuple(t._version for t in outs)
+            grad_enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
                 all_gather_copy_out(result, self.fsdp_params, outputs)
+            finally:
+                torch._C._autograd._unsafe_set_version_counter(outs, versions)
+                torch._C._set_grad_enabled(grad_enabled)
             copy_out_event = current.record_event()
             # Point 3: the all-gather streams must not reuse these buffers before the copy-out.
             self.comm_ctx.wait_for_previous_all_gather()
