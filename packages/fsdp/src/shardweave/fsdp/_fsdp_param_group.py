@@ -13,9 +13,8 @@ Design note: flat storage
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -776,15 +775,12 @@ class FSDPParamGroup:
             order[index - 1].prefetch_unshard(TrainingState.PRE_BACKWARD)
 
     def prefetch_unshard(self, training_state: TrainingState) -> None:
-        with self.use_training_state(training_state):
-            self.unshard(self.unshard_async_op)
-
-    @contextlib.contextmanager
-    def use_training_state(self, state: TrainingState) -> Iterator[None]:
+        """Unshard in ``training_state`` (which decides the streams), then restore the state.
+        Inline rather than a context manager: it runs for every group in every step."""
         previous = self._training_state
-        self._training_state = state
+        self._training_state = training_state
         try:
-            yield
+            self.unshard(self.unshard_async_op)
         finally:
             self._training_state = previous
 
