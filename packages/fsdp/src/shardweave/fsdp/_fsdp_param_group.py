@@ -23,7 +23,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardweave.fsdp import _trace
-from shardweave.fsdp._all_gather import AllGatherResult, all_gather_copy_in, all_gather_copy_out
+from shardweave.fsdp._all_gather import (
+    AllGatherResult,
+    CopyOutViews,
+    all_gather_copy_in,
+    all_gather_copy_out,
+)
 from shardweave.fsdp._comm import (
     DefaultAllGather,
     DefaultReduceScatter,
@@ -165,6 +170,7 @@ class FSDPParamGroup:
         self._num_param_groups = 1
         self._flat_sharded: torch.Tensor | None = None  # 1D; see Design note: flat storage
         self._all_gather_result: AllGatherResult | None = None
+        self._copy_out_views = CopyOutViews()
         self._partial_reduce_output: torch.Tensor | None = None
         self._post_forward_indices: list[int] = []
         self._lazy_inited = False
@@ -547,7 +553,7 @@ class FSDPParamGroup:
             grad_enabled = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
             try:
-                all_gather_copy_out(result, self.fsdp_params, outputs)
+                all_gather_copy_out(result, self.fsdp_params, outputs, outs, self._copy_out_views)
             finally:
                 torch._C._autograd._unsafe_set_version_counter(outs, versions)
                 torch._C._set_grad_enabled(grad_enabled)
