@@ -10,6 +10,7 @@ alias) and the abort policy for the NCCL error-handling modes.
 from __future__ import annotations
 
 import datetime
+import threading
 import warnings
 from typing import Any
 
@@ -238,6 +239,54 @@ def test_device_side_entry_is_done_only_when_its_event_completes() -> None:
     assert host.pending() and host.stalled_since() is None  # not blocked on yet: no stall
     host.host_waits()
     assert host.stalled_since() == host.waiting_since
+
+
+class _RecordingLock:
+    """A lock that records which threads took it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.takers: list[int] = []
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.takers.append(threading.get_ident())
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_tracking_before_the_thread_starts_is_what_the_thread_sees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Closed form: before the watchdog thread starts, ``track`` records without the lock
+    (every collective passes there); once it runs, ``track`` takes the lock, and the thread's
+    view holds every pending entry, recorded before or after, oldest first."""
+    monkeypatch.setattr(_channel.TIMEOUTS, "stall", 10.0)
+    w = Watchdog()
+    lock = _RecordingLock()
+    w._lock = lock  # type: ignore[assignment]
+    w._epoch = EPOCH
+    done = Tracked(3, 1, "all_gather", "g", None, "cpu", _Completion(), epoch=EPOCH)  # type: ignore[arg-type]
+    waiting = Tracked(3, 2, "all_gather", "g", None, "cpu", _Completion(), epoch=EPOCH)  # type: ignore[arg-type]
+    w.track(done)
+    done.finish()
+    w.track(waiting)
+    waiting.host_waits()
+    assert lock.takers == []  # no thread yet: no lock
+    assert w._last is waiting and list(w._tracked) == [waiting]  # the finished one dropped
+    w._ensure_started()
+    try:
+        assert w.running()
+        later = Tracked(3, 3, "reduce_scatter", "g", None, "cpu", _Completion(), epoch=EPOCH)  # type: ignore[arg-type]
+        later.host_waits()
+        w.track(later)
+        assert threading.get_ident() in lock.takers  # the thread runs: track took the lock
+        assert w._last is later and list(w._tracked) == [waiting, later]
+        assert w._stalled() == (waiting, waiting.waiting_since)
+    finally:
+        w.stop()
+    assert not w.running()
 
 
 class _FakeEvent:

@@ -3,6 +3,7 @@ each parameter's unsharded tensor). See Design note: tensor vocabulary (``_fsdp_
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import torch
 from shardweave.fsdp._fsdp_param import FSDPParam
 from shardweave.fsdp._seam import InFlight
 
-__all__ = ["AllGatherResult", "all_gather_copy_in", "all_gather_copy_out"]
+__all__ = ["AllGatherResult", "CopyOutViews", "all_gather_copy_in", "all_gather_copy_out"]
 
 
 @dataclass
@@ -60,23 +61,60 @@ def all_gather_copy_in(
     return torch.cat(inputs), sizes, as_bytes
 
 
-def all_gather_copy_out(result: AllGatherResult, fsdp_params: Sequence[FSDPParam]) -> None:
-    """Split the gathered buffer into each parameter's all-gather output in one pass."""
+class CopyOutViews:
+    """A group's copy-out destinations (2D views of its all-gather outputs), kept between
+    unshards. The outputs are the same tensors at every unshard, their storage refilled in
+    place (see Design note: storage resize, ``FSDPParam``), so views of them stay valid; they
+    are rebuilt when any output is another tensor, or the world size, the byte view or the
+    post-forward flag differs. Never kept when a parameter needs a scratch buffer."""
+
+    __slots__ = ("key", "targets", "views")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, bool, bool] | None = None
+        self.targets: tuple[torch.Tensor, ...] = ()
+        self.views: list[torch.Tensor] = []
+
+
+def all_gather_copy_out(
+    result: AllGatherResult,
+    fsdp_params: Sequence[FSDPParam],
+    outputs: Sequence[list[torch.Tensor]],
+    flat_outputs: tuple[torch.Tensor, ...],
+    views: CopyOutViews,
+) -> None:
+    """Split the gathered buffer into each parameter's all-gather output in one pass.
+
+    ``outputs``: each parameter's ``alloc_all_gather_outputs()``, allocated by the caller;
+    ``flat_outputs`` the same tensors in one tuple; ``views`` the group's kept destinations.
+    """
     world = result.world_size
-    outs: list[torch.Tensor] = []
+    key = (world, result.as_bytes, result.post_forward)
+    kept = views.targets
     fixups: list[tuple[FSDPParam, torch.Tensor]] = []
-    for fsdp_param in fsdp_params:
-        targets = fsdp_param.alloc_all_gather_outputs()
-        if fsdp_param.gathers_rows_of_shard_dim(result.post_forward):
-            # Rows of a dim-d shard are chunks along d: gather into a scratch buffer, then
-            # concatenate along d into the real layout.
-            scratch = torch.empty_like(targets[0])
-            fixups.append((fsdp_param, scratch))
-            targets = [scratch]
-        for target in targets:
-            if result.as_bytes:
-                target = target.view(torch.uint8)
-            outs.append(target.view(world, -1))
+    if (
+        views.key == key
+        and len(kept) == len(flat_outputs)
+        and all(map(operator.is_, kept, flat_outputs))
+    ):
+        outs = views.views
+    else:
+        outs = []
+        for fsdp_param, targets in zip(fsdp_params, outputs, strict=True):
+            if fsdp_param.gathers_rows_of_shard_dim(result.post_forward):
+                # Rows of a dim-d shard are chunks along d: gather into a scratch buffer, then
+                # concatenate along d into the real layout.
+                scratch = torch.empty_like(targets[0])
+                fixups.append((fsdp_param, scratch))
+                targets = [scratch]
+            for target in targets:
+                if result.as_bytes:
+                    target = target.view(torch.uint8)
+                outs.append(target.view(world, -1))
+        if fixups:
+            views.key, views.targets, views.views = None, (), []
+        else:
+            views.key, views.targets, views.views = key, flat_outputs, outs
     gathered = result.output.view(world, -1)
     if len(outs) == 1:
         outs[0].copy_(gathered)

@@ -477,6 +477,18 @@ def _wait_on_thread(work: dist.Work) -> tuple[threading.Event, list[BaseExceptio
     return done, errors
 
 
+# ``torch.device.type`` builds a new string on every read (about 1 us, as long as the rest of
+# a wait's bookkeeping): ``wait`` runs for every collective, so it looks each device up once.
+_DEVICE_IS_CPU: dict[torch.device, bool] = {}
+
+
+def _is_cpu(device: torch.device) -> bool:
+    found = _DEVICE_IS_CPU.get(device)
+    if found is None:
+        found = _DEVICE_IS_CPU[device] = device.type == "cpu"
+    return found
+
+
 def wait(
     work: dist.Work | None,
     what: str | Callable[[], str],
@@ -499,7 +511,7 @@ def wait(
     if work is None:
         return
     if (
-        (device is not None and device.type != "cpu")
+        (device is not None and not _is_cpu(device))
         or _STATE.epoch == 0
         or _channel.store() is None
     ):

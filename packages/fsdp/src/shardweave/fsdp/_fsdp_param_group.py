@@ -13,9 +13,8 @@ Design note: flat storage
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -24,7 +23,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardweave.fsdp import _trace
-from shardweave.fsdp._all_gather import AllGatherResult, all_gather_copy_in, all_gather_copy_out
+from shardweave.fsdp._all_gather import (
+    AllGatherResult,
+    CopyOutViews,
+    all_gather_copy_in,
+    all_gather_copy_out,
+)
 from shardweave.fsdp._comm import (
     DefaultAllGather,
     DefaultReduceScatter,
@@ -166,6 +170,7 @@ class FSDPParamGroup:
         self._num_param_groups = 1
         self._flat_sharded: torch.Tensor | None = None  # 1D; see Design note: flat storage
         self._all_gather_result: AllGatherResult | None = None
+        self._copy_out_views = CopyOutViews()
         self._partial_reduce_output: torch.Tensor | None = None
         self._post_forward_indices: list[int] = []
         self._lazy_inited = False
@@ -538,11 +543,20 @@ class FSDPParamGroup:
             _trace.ACTIVE.all_gather_done(self.trace_key)
         self._all_gather_result = None
         if result.split_sizes:  # empty when the unsharded params alias the shards
-            outs = tuple(t for p in self.fsdp_params for t in p.alloc_all_gather_outputs())
+            outputs = [p.alloc_all_gather_outputs() for p in self.fsdp_params]
+            outs = tuple(t for targets in outputs for t in targets)
             # See Design note: storage resize (FSDPParam). Refilling must not bump the version
-            # counter, or autograd would reject the parameters it saved in forward.
-            with torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(outs):
-                all_gather_copy_out(result, self.fsdp_params)
+            # counter, or autograd would reject the parameters it saved in forward. What
+            # torch.no_grad() and _unsafe_preserve_version_counter(outs) do, without building
+            # the two context managers on every unshard.
+            versions = tuple(t._version for t in outs)
+            grad_enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                all_gather_copy_out(result, self.fsdp_params, outputs, outs, self._copy_out_views)
+            finally:
+                torch._C._autograd._unsafe_set_version_counter(outs, versions)
+                torch._C._set_grad_enabled(grad_enabled)
             copy_out_event = current.record_event()
             # Point 3: the all-gather streams must not reuse these buffers before the copy-out.
             self.comm_ctx.wait_for_previous_all_gather()
@@ -767,15 +781,12 @@ class FSDPParamGroup:
             order[index - 1].prefetch_unshard(TrainingState.PRE_BACKWARD)
 
     def prefetch_unshard(self, training_state: TrainingState) -> None:
-        with self.use_training_state(training_state):
-            self.unshard(self.unshard_async_op)
-
-    @contextlib.contextmanager
-    def use_training_state(self, state: TrainingState) -> Iterator[None]:
+        """Unshard in ``training_state`` (which decides the streams), then restore the state.
+        Inline rather than a context manager: it runs for every group in every step."""
         previous = self._training_state
-        self._training_state = state
+        self._training_state = training_state
         try:
-            yield
+            self.unshard(self.unshard_async_op)
         finally:
             self._training_state = previous
 

@@ -165,6 +165,9 @@ def wait_event(stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
 
+_NO_OP: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
 class CommStreams:
     """The side streams of one comm context; see Design note: stream ordering."""
 
@@ -186,6 +189,10 @@ class CommStreams:
         self.all_gather = self.device_handle.Stream(priority=high)
         self.reduce_scatter = self.device_handle.Stream(priority=high)
         self.all_reduce = self.device_handle.Stream(priority=0)
+        # torch.cpu's streams are no-ops: entering one only swaps a module global that no CPU
+        # kernel reads, so ``use`` skips building the context there (hundreds per step). A
+        # substituted module (the stream sanitizer's) is never torch.cpu: it runs the real thing.
+        self._no_op_streams = self.device_handle is torch.cpu
 
     def current(self) -> Any:
         return self.device_handle.current_stream()
@@ -198,4 +205,6 @@ class CommStreams:
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Make ``stream`` current for the ops inside."""
+        if self._no_op_streams:
+            return _NO_OP
         return self.device_handle.stream(stream)  # type: ignore[no-any-return]

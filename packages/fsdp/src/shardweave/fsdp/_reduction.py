@@ -89,6 +89,36 @@ def gradient_divide_factors(
     return float(pre), total / pre, dist.ReduceOp.SUM, dist.ReduceOp.SUM
 
 
+# gradient_divide_factors without a user factor, by (reduce-scatter size, all-reduce size,
+# reduce dtype, force_sum): constant for a group, asked for at every reduction. A user factor
+# may build a premul-sum op, built afresh each time as torch's FSDP2 does: not cached.
+_DEFAULT_FACTORS: dict[
+    tuple[int, int, torch.dtype, bool],
+    tuple[float | None, float | None, ReduceOpLike, ReduceOpLike],
+] = {}
+
+
+def _divide_factors(
+    reduce_scatter_size: int,
+    all_reduce_size: int,
+    reduce_dtype: torch.dtype,
+    factor: float | None,
+    force_sum: bool,
+) -> tuple[float | None, float | None, ReduceOpLike, ReduceOpLike]:
+    """``gradient_divide_factors``, from ``_DEFAULT_FACTORS`` when ``factor`` is None."""
+    if factor is not None:
+        return gradient_divide_factors(
+            reduce_scatter_size, all_reduce_size, reduce_dtype, factor, force_sum
+        )
+    key = (reduce_scatter_size, all_reduce_size, reduce_dtype, force_sum)
+    factors = _DEFAULT_FACTORS.get(key)
+    if factors is None:
+        factors = _DEFAULT_FACTORS[key] = gradient_divide_factors(
+            reduce_scatter_size, all_reduce_size, reduce_dtype, None, force_sum
+        )
+    return factors
+
+
 def _div_(tensor: torch.Tensor, factor: float | None) -> None:
     if factor is not None and factor != 1:
         tensor.div_(factor)
@@ -300,7 +330,7 @@ class GradientReduction:
         rs_group, ar_group = self._rs_group, self._ar_group
         world = rs_group.size() if rs_group is not None else 1
         ar_size = ar_group.size() if ar_group is not None else 1
-        pre, post, rs_op, ar_op = gradient_divide_factors(
+        pre, post, rs_op, ar_op = _divide_factors(
             world, ar_size, rdtype, self._divide_factor, self._force_sum
         )
         sources = self._sources

@@ -141,20 +141,20 @@ def issue(
     """
     _fault.raise_if_failed(what)  # a published failure or verdict: see _fault
     step, seq = _fault.next_collective()
+    device = tensor.device
+    device_type = device.type  # a new string on every read of .type: read it once
     if _fault.checks_enabled():
         checks: list[_watchdog.Tracked] = []
 
         def watch_check(work: dist.Work) -> None:
-            entry = _watchdog.Tracked(
-                step, seq, kind, name, group, tensor.device.type, work, check=True
-            )
+            entry = _watchdog.Tracked(step, seq, kind, name, group, device_type, work, check=True)
             entry.host_waits()  # the check is waited at once, on the host
             _watchdog.track(entry)
             checks.append(entry)
 
         try:
             _fault.check_collective(
-                group, kind, name, tensor.numel(), tensor.dtype, tensor.device, seq, watch_check
+                group, kind, name, tensor.numel(), tensor.dtype, device, seq, watch_check
             )
         except (_fault.PeerFailureError, _fault.CollectiveMismatchError):
             raise
@@ -184,18 +184,18 @@ def issue(
             kind,
             name,
             group,
-            tensor.device.type,
+            device_type,
             polled,
             device_side=streams.stream_ordered,
         )
         _watchdog.track(tracked)
     return InFlight(
         what,
-        tensor.device,
+        device,
         work,
         event,
         record,
         tracked,
         # gloo's reduce-scatter blocks in a timed wait; other CPU collectives honor it.
-        ignores_timeout=kind == CollectiveKind.REDUCE_SCATTER and tensor.device.type == "cpu",
+        ignores_timeout=kind == CollectiveKind.REDUCE_SCATTER and device_type == "cpu",
     )

@@ -280,14 +280,24 @@ class Watchdog:
             self._ensure_started()
 
     def track(self, entry: Tracked) -> None:
+        if self._thread is None:
+            # No thread reads these (none started yet: new_epoch and set_stall_timeout start
+            # it, on the training thread; or stopped): no lock for the collective the seam
+            # issues. From the thread's start on, every track takes the lock. Checked by
+            # test_watchdog_rules (what was tracked before the start is what the thread sees).
+            self._track(entry)
+            return
         with self._lock:
-            self._last = entry  # this rank's position, published with its heartbeat
-            if _channel.TIMEOUTS.stall is not None:  # else no thread pops: keep nothing
-                # Drop what is already complete, so the deque never outgrows the collectives
-                # actually in flight.
-                while self._tracked and self._tracked[0].finished:
-                    self._tracked.popleft()
-                self._tracked.append(entry)
+            self._track(entry)
+
+    def _track(self, entry: Tracked) -> None:
+        self._last = entry  # this rank's position, published with its heartbeat
+        if _channel.TIMEOUTS.stall is not None:  # else no thread pops: keep nothing
+            # Drop what is already complete, so the deque never outgrows the collectives
+            # actually in flight.
+            while self._tracked and self._tracked[0].finished:
+                self._tracked.popleft()
+            self._tracked.append(entry)
 
     # --- the thread -----------------------------------------------------------------------
     def _ensure_started(self) -> None:
