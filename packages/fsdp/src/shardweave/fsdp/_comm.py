@@ -132,7 +132,9 @@ class C10dCollectives:
 
 
 _C10D = C10dCollectives()
-_collectives_cache: dict[str, Collectives] = {}
+# Keyed by the device itself: hashing a torch.device is a fifth of reading its ``type`` (which
+# builds a new string), and this runs at every collective.
+_collectives_cache: dict[torch.device, Collectives] = {}
 
 
 def collectives_for(device: torch.device) -> Collectives:
@@ -142,11 +144,11 @@ def collectives_for(device: torch.device) -> Collectives:
     next process). Without installed metadata (sources on ``PYTHONPATH``) the entry point
     is not discoverable, so the built-in c10d default is used directly.
     """
-    found = _collectives_cache.get(device.type)
+    found = _collectives_cache.get(device)
     if found is None:
         registered = COLLECTIVES.registered()
         found = registered.get(device.type) or registered.get("default") or _C10D
-        _collectives_cache[device.type] = found
+        _collectives_cache[device] = found
     return found
 
 
