@@ -555,20 +555,12 @@ class FSDPParam:
         if param.requires_grad != requires_grad:
             param.requires_grad_(requires_grad)
         self._setattr_on_modules(param)
-        if (
-            self._sharded_post_forward_param is not None
-            or self._sharded_post_forward_data is not None
-        ):
-            self._free_post_forward_data()
+        self._free_post_forward_data()
         self.sharded_state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
         self._setattr_on_modules(self.sharded_param)
-        if (
-            self._sharded_post_forward_param is not None
-            or self._sharded_post_forward_data is not None
-        ):
-            self._free_post_forward_data()
+        self._free_post_forward_data()
         if not self._aliases_shard:
             out: torch.Tensor | None = getattr(self, "all_gather_output", None)
             if out is not None:

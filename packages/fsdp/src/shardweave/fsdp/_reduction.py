@@ -23,6 +23,7 @@ Design note: one reduction pipeline, buckets as a variant
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -89,34 +90,16 @@ def gradient_divide_factors(
     return float(pre), total / pre, dist.ReduceOp.SUM, dist.ReduceOp.SUM
 
 
-# gradient_divide_factors without a user factor, by (reduce-scatter size, all-reduce size,
-# reduce dtype, force_sum): constant for a group, asked for at every reduction. A user factor
-# may build a premul-sum op, built afresh each time as torch's FSDP2 does: not cached.
-_DEFAULT_FACTORS: dict[
-    tuple[int, int, torch.dtype, bool],
-    tuple[float | None, float | None, ReduceOpLike, ReduceOpLike],
-] = {}
-
-
-def _divide_factors(
-    reduce_scatter_size: int,
-    all_reduce_size: int,
-    reduce_dtype: torch.dtype,
-    factor: float | None,
-    force_sum: bool,
+@functools.cache
+def _default_divide_factors(
+    reduce_scatter_size: int, all_reduce_size: int, reduce_dtype: torch.dtype, force_sum: bool
 ) -> tuple[float | None, float | None, ReduceOpLike, ReduceOpLike]:
-    """``gradient_divide_factors``, from ``_DEFAULT_FACTORS`` when ``factor`` is None."""
-    if factor is not None:
-        return gradient_divide_factors(
-            reduce_scatter_size, all_reduce_size, reduce_dtype, factor, force_sum
-        )
-    key = (reduce_scatter_size, all_reduce_size, reduce_dtype, force_sum)
-    factors = _DEFAULT_FACTORS.get(key)
-    if factors is None:
-        factors = _DEFAULT_FACTORS[key] = gradient_divide_factors(
-            reduce_scatter_size, all_reduce_size, reduce_dtype, None, force_sum
-        )
-    return factors
+    """``gradient_divide_factors`` without a user factor: constant for a group and asked for
+    at every reduction, so computed once. A user factor may build a premul-sum op, built
+    afresh each time as torch's FSDP2 does: not cached."""
+    return gradient_divide_factors(
+        reduce_scatter_size, all_reduce_size, reduce_dtype, None, force_sum
+    )
 
 
 def _div_(tensor: torch.Tensor, factor: float | None) -> None:
@@ -330,9 +313,13 @@ class GradientReduction:
         rs_group, ar_group = self._rs_group, self._ar_group
         world = rs_group.size() if rs_group is not None else 1
         ar_size = ar_group.size() if ar_group is not None else 1
-        pre, post, rs_op, ar_op = _divide_factors(
-            world, ar_size, rdtype, self._divide_factor, self._force_sum
-        )
+        if self._divide_factor is None:
+            factors = _default_divide_factors(world, ar_size, rdtype, self._force_sum)
+        else:
+            factors = gradient_divide_factors(
+                world, ar_size, rdtype, self._divide_factor, self._force_sum
+            )
+        pre, post, rs_op, ar_op = factors
         sources = self._sources
         laid_out = [
             p.grad_for_reduce_scatter(g, world)

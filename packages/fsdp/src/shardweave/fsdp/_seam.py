@@ -171,7 +171,7 @@ def issue(
         record = _trace.ACTIVE.collective_issue(kind, key, tensor, group)
     host_side = host_wait or not streams.stream_ordered
     with streams.use(stream):
-        work = launch(True) if host_side else launch(False)
+        work = launch(host_side)
         event = stream.record_event()
     if not host_side:
         work = None  # a backend may return one anyway; the event is what orders it
