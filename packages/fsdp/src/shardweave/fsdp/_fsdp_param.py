@@ -272,18 +272,22 @@ class FSDPParam:
         self._setattr_on_modules(sharded)
         self._installed_local: torch.Tensor = _local_tensor(sharded)
 
-    def _local_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded shard as a view of a flat padded buffer.
+    def _local_view(self, padded_flat: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """This rank's unpadded shard as a view of a flat padded buffer (from element
+        ``offset`` of ``padded_flat``, which may hold other parameters' shards around it).
 
         Runs for every gradient at every reduction: one ``as_strided`` (the strides of the
         padded shape, cut to this rank's size on the shard dim) costs a third of the
-        ``view(padded_size).narrow(...)`` it equals. An empty or non-contiguous buffer takes
-        that spelling, which also says what the fast one computes.
+        ``narrow(...).view(padded_size).narrow(...)`` it equals. An empty or non-contiguous
+        buffer takes that spelling, which also says what the fast one computes.
         """
-        if self.padded_sharded_numel > 0 and padded_flat.is_contiguous():
+        numel = self.padded_sharded_numel
+        if numel > 0 and padded_flat.is_contiguous():
             return padded_flat.as_strided(
-                self.sharded_size, self._padded_strides, padded_flat.storage_offset()
+                self.sharded_size, self._padded_strides, padded_flat.storage_offset() + offset
             )
+        if offset or padded_flat.numel() != numel:
+            padded_flat = padded_flat.narrow(0, offset, numel)
         return padded_flat.view(self.padded_sharded_size).narrow(
             self.shard_dim, 0, self.sharded_size[self.shard_dim]
         )
@@ -693,13 +697,14 @@ class FSDPParam:
         """
         return self.pin_memory and self.sharded_param.grad is None and not has_hooks
 
-    def assign_sharded_grad(self, flat_shard: torch.Tensor) -> bool:
-        """Set or accumulate ``sharded_param.grad`` from this param's slot of the reduce output.
+    def assign_sharded_grad(self, reduce_output: torch.Tensor, offset: int) -> bool:
+        """Set or accumulate ``sharded_param.grad`` from this param's slot of the reduce
+        output (its padded shard, from element ``offset``).
 
         Returns whether it issued a non-blocking device-to-host copy (CPU offload into pinned
         memory), which the caller must order with an event before the CPU optimizer runs.
         """
-        local = self._local_view(flat_shard)
+        local = self._local_view(reduce_output, offset)
         sharded = self.sharded_param
         # Post-accumulate-grad hooks (optimizer-in-backward) fire on the sharded parameter,
         # which autograd never sees, so they run below.

@@ -172,6 +172,10 @@ class CommStreams:
     """The side streams of one comm context; see Design note: stream ordering."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # Read once: ``torch.device.type`` builds a new string on every read (the seam needs
+        # it at every collective).
+        self.device_type = device.type
         self.device_handle = device_module(device)
         # Whether streams order the collectives (accelerators, and the test accelerator): they
         # are issued inside stream(...) and finished by events, the host never waits, and a

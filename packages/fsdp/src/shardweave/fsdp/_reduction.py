@@ -411,16 +411,17 @@ class GradientReduction:
             offset = 0
             offloaded = False
             for source in sources:
-                size = sum(p.padded_sharded_numel for p in source.params)
-                out = output.narrow(0, offset, size) if len(sources) > 1 else output
+                # Each parameter views its slot by offset (no narrow per parameter); a cast
+                # makes a new buffer of this source's slots only.
+                out, start = output, offset
                 if out.dtype != source.orig_dtype:
-                    out = out.to(source.orig_dtype)
-                inner = 0
+                    size = sum(p.padded_sharded_numel for p in source.params)
+                    out, start = output.narrow(0, offset, size).to(source.orig_dtype), 0
+                inner = start
                 for fsdp_param in source.params:
-                    numel = fsdp_param.padded_sharded_numel
-                    offloaded |= fsdp_param.assign_sharded_grad(out.narrow(0, inner, numel))
-                    inner += numel
-                offset += size
+                    offloaded |= fsdp_param.assign_sharded_grad(out, inner)
+                    inner += fsdp_param.padded_sharded_numel
+                offset += inner - start
             self.post_reduce_event = post_stream.record_event()
             if offloaded:  # the same event orders the non-blocking device-to-host copies
                 self.offload_event = self.post_reduce_event

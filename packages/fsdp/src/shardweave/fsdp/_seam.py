@@ -141,8 +141,9 @@ def issue(
     """
     _fault.raise_if_failed(what)  # a published failure or verdict: see _fault
     step, seq = _fault.next_collective()
-    device = tensor.device
-    device_type = device.type  # a new string on every read of .type: read it once
+    # The streams' device is the tensor's (every collective runs on its group's device); it
+    # has the type read already, which costs as much as the rest of this prologue.
+    device, device_type = streams.device, streams.device_type
     if _fault.checks_enabled():
         checks: list[_watchdog.Tracked] = []
 
