@@ -39,6 +39,7 @@ import datetime
 import hashlib
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -452,29 +453,80 @@ def _timed_wait(work: dist.Work) -> bool:
     return False
 
 
-def _wait_on_thread(work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
-    """Wait for ``work`` on a daemon thread of its own; for Works whose ``wait(timeout)``
-    ignores the timeout.
+class _Waiters:
+    """Daemon threads that wait ``Work``s whose ``wait(timeout)`` ignores the timeout.
 
     gloo's reduce-scatter is one: its timed wait blocks until the collective completes (and
     its ``is_completed()`` and future are not implemented), so a training thread waiting on it
     could not look at the failure channel. Handing the wait to another thread lets the
-    training thread keep polling. One thread per wait: after a failure the thread stays
-    blocked until the backend gives up (its error is dropped), and must not hold up later
-    waits.
+    training thread keep polling. The threads are kept between waits (starting one costs
+    0.1-0.4 ms on a busy 2-core machine, at every reduce-scatter of every step); a new one
+    starts only when every kept one is still blocked, so after a failure a thread that stays
+    blocked until the backend gives up (its error dropped) never holds up later waits. A
+    forked child starts with none: its parent's threads did not survive the fork.
     """
-    done, errors = threading.Event(), list[BaseException]()
 
-    def run() -> None:
-        try:
-            work.wait()
-        except BaseException as e:  # reported to the waiting thread, if it still waits
-            errors.append(e)
-        finally:
-            done.set()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[_WaitJob]] = []
+        self.started = 0  # threads started in this process (tests read it)
 
-    threading.Thread(target=run, name="shardweave-wait", daemon=True).start()
-    return done, errors
+    def submit(self, work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
+        job = _WaitJob(work)
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+            if jobs is None:
+                self.started += 1
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(
+                target=self._run, args=(jobs,), name="shardweave-wait", daemon=True
+            ).start()
+        jobs.put(job)
+        return job.done, job.errors
+
+    def _run(self, jobs: queue.SimpleQueue[_WaitJob]) -> None:
+        while True:
+            job = jobs.get()
+            # Only this thread holds the Work from here: a finished Work keeps its tensors
+            # alive, so it goes with this iteration.
+            work, job.work = job.work, None
+            try:
+                if work is not None:
+                    work.wait()
+            except BaseException as e:  # reported to the waiting thread, if it still waits
+                job.errors.append(e)
+            finally:
+                del work
+                job.done.set()
+            with self._lock:
+                self._idle.append(jobs)
+
+
+class _WaitJob:
+    __slots__ = ("done", "errors", "work")
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work: dist.Work | None = work
+        self.done = threading.Event()
+        self.errors: list[BaseException] = []
+
+
+_WAITERS = _Waiters()
+
+
+def _new_waiters_in_child() -> None:
+    global _WAITERS
+    _WAITERS = _Waiters()
+
+
+os.register_at_fork(after_in_child=_new_waiters_in_child)
+
+
+def _wait_on_thread(work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
+    """Wait for ``work`` on a kept daemon thread (see ``_Waiters``): the event is set when it
+    finished, the list holds its error."""
+    return _WAITERS.submit(work)
 
 
 # ``torch.device.type`` builds a new string on every read (about 1 us, as long as the rest of
