@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import ast
 import datetime
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -166,3 +167,48 @@ def test_no_timed_wait_off_cpu(world1: WorkerPool) -> None:
     # (what async_op=False does on NCCL); the watchdog polls it, nothing waits on it later.
     assert seen["issue meta host_wait=False"] == [[True], [None], True]
     assert seen["issue meta host_wait=True"] == [[True], [None], True]
+
+
+class BlockingWork:
+    """A Work whose ``wait`` ignores any timeout and blocks until released (gloo's
+    reduce-scatter), or raises ``error``."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.release = threading.Event()
+        self.error = error
+        self.waited_on: list[int] = []
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.waited_on.append(threading.get_ident())
+        self.release.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_hand_off_waits_keep_their_threads() -> None:
+    """Closed form: the hand-off for Works that ignore a wait's timeout keeps its threads
+    between waits (one thread for a run of waits, each finished before the next), starts
+    another only while every kept one is blocked (a stuck wait never holds up a later one),
+    and hands a wait's error to the waiting thread."""
+    from shardweave.fsdp import _fault
+
+    waiters = _fault._Waiters()
+    for _ in range(5):
+        work = BlockingWork()
+        work.release.set()
+        done, errors = waiters.submit(cast(dist.Work, work))
+        assert done.wait(10) and errors == []
+    assert waiters.started == 1
+
+    stuck = BlockingWork()
+    stuck_done, _ = waiters.submit(cast(dist.Work, stuck))
+    failing = BlockingWork(error=RuntimeError("peer closed the connection"))
+    failing.release.set()
+    done, errors = waiters.submit(cast(dist.Work, failing))
+    assert done.wait(10), "a blocked hand-off held up the next one"
+    assert [str(e) for e in errors] == ["peer closed the connection"]
+    assert waiters.started == 2 and not stuck_done.is_set()
+    stuck.release.set()
+    assert stuck_done.wait(10)
+    assert stuck.waited_on[0] != failing.waited_on[0]

@@ -498,9 +498,11 @@ class _Waiters:
                 job.errors.append(e)
             finally:
                 del work
+                # Back in the pool before the waiter hears of it, so that its next wait
+                # (the next reduce-scatter, moments later) finds this thread idle.
+                with self._lock:
+                    self._idle.append(jobs)
                 job.done.set()
-            with self._lock:
-                self._idle.append(jobs)
 
 
 class _WaitJob:
