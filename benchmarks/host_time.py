@@ -2,7 +2,7 @@
 
 Run::
 
-    python benchmarks/host_time.py [--steps 150] [--warmup 30] [--workloads mlp48,gpt]
+    python benchmarks/host_time.py [--steps 150] [--warmup 30] [--workloads mlp48,gpt,gpt-narrow]
         [--backend fake|nocomm] [--json bench-results/host_time.json]
         [--profile mlp48 [--profile-steps 100]]
 
@@ -22,9 +22,10 @@ Engines, each on its own model built from the same seed: ``eager`` (the plain mo
 the model's own compute), ``shardweave`` (``shardweave.fsdp.fully_shard``) and ``torch``
 (``torch.distributed.fsdp.fully_shard``), both applied per unit as ``benchmarks/run.py``'s
 workloads do (``mlp48``: every Linear+ReLU pair, then the root; ``gpt``: every block, then
-the root). A step is forward + backward (``loss.backward()``); gradients are set to ``None``
-between steps outside the timed window, and there is no optimizer step (its cost depends on
-the parameter type, not on the engine).
+the root; ``gpt-narrow``: the same at 1/8 of the width, where almost no memory work is left,
+only the engines' bookkeeping). A step is forward + backward (``loss.backward()``); gradients
+are set to ``None`` between steps outside the timed window, and there is no optimizer step
+(its cost depends on the parameter type, not on the engine).
 
 Pairing. The engines take turns step by step, the order rotating every step (E S T, S T E,
 T E S, then reversed), so drift and other load on the machine hit all three alike. For each
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import json
 import os
@@ -55,7 +57,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _workloads import WORKLOADS, Workload  # puts demos/ on sys.path
+from _workloads import GPT_CONFIG, WORKLOADS, Workload  # puts demos/ on sys.path
+from model import GPT
 from torch import nn
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +69,18 @@ for _pkg in ("mesh", "fsdp", "replicate", "extensions"):
 
 ENGINES = ("eager", "shardweave", "torch")
 WORLD_SIZE = 8
-FSDP_WORKLOADS = {w.name: w for w in WORKLOADS if w.mode == "fsdp"}
+_FSDP = {w.name: w for w in WORKLOADS if w.mode == "fsdp"}
+# The GPT's structure (its groups, parameters and hooks) at 1/8 of its width, 1/64 of its
+# parameter bytes: what is left of each engine's overhead there is its bookkeeping, with almost
+# none of the memory work (copy-out, the reduce-scatter input, allocations and first touches),
+# which both engines do alike and which makes up most of the full GPT's overhead.
+_NARROW_GPT = dataclasses.replace(
+    _FSDP["gpt"],
+    name="gpt-narrow",
+    description=f"the gpt workload at n_embd {GPT_CONFIG.n_embd // 8}",
+    build=lambda: GPT(dataclasses.replace(GPT_CONFIG, n_embd=GPT_CONFIG.n_embd // 8)),
+)
+FSDP_WORKLOADS = {**_FSDP, _NARROW_GPT.name: _NARROW_GPT}
 
 
 class _NoCommGroup(dist.ProcessGroup):
