@@ -522,7 +522,8 @@ def _new_waiters_in_child() -> None:
     _WAITERS = _Waiters()
 
 
-os.register_at_fork(after_in_child=_new_waiters_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX only; nothing forks elsewhere
+    os.register_at_fork(after_in_child=_new_waiters_in_child)
 
 
 def _wait_on_thread(work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
