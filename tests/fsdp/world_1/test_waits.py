@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import os
 import threading
 from pathlib import Path
 from typing import Any, cast
@@ -212,3 +213,27 @@ def test_hand_off_waits_keep_their_threads() -> None:
     stuck.release.set()
     assert stuck_done.wait(10)
     assert stuck.waited_on[0] != failing.waited_on[0]
+
+
+def test_a_forked_child_starts_with_no_waiter_threads() -> None:
+    """Closed form: the parent's kept waiter threads did not survive a fork, so a child (a
+    data loader worker that trains, say) must not queue its waits to them."""
+    from shardweave.fsdp import _fault
+
+    work = BlockingWork()
+    work.release.set()
+    done, _ = _fault._WAITERS.submit(cast(dist.Work, work))
+    assert done.wait(10)
+    parent = _fault._WAITERS
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether it got a pool of its own, then leave at once
+        os.close(read)
+        fresh = _fault._WAITERS is not parent and not _fault._WAITERS._idle
+        os.write(write, b"1" if fresh else b"0")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
