@@ -65,11 +65,12 @@ class LiveBytesRecorder:
         # and independent of how equal timestamps sort). It counts every allocation made
         # while a profiler ran that is still live, so an earlier session's leftovers give a
         # constant offset, removed with the first event's total before its own size.
-        allocs = sorted(
-            (e.start_time_ns, e.typed[1].total_allocated, e.typed[1].alloc_size)
+        raw = [
+            (e.start_time_ns, e.typed[1].total_allocated, e.typed[1].alloc_size, e)
             for e in events
             if e.tag == _EventType.Allocation and e.typed[1].device.type == "cpu"
-        )
+        ]
+        allocs = _engine_totals(sorted(raw, key=lambda a: a[:3]))
         if not allocs:
             return MemoryStats(peak=0, live_before=0, live_after=0)
         offset = allocs[0][1] - allocs[0][2]
@@ -78,6 +79,46 @@ class LiveBytesRecorder:
         in_window = [total - offset for t, total, _ in allocs if start <= t <= end]
         after = [total for t, total, _ in allocs if t <= end][-1] - offset
         return MemoryStats(peak=max([before, *in_window]), live_before=before, live_after=after)
+
+
+def _in_collective(event: Any) -> bool:
+    parent = event.parent
+    while parent is not None:
+        if parent.name.startswith("c10d::"):
+            return True
+        parent = parent.parent
+    return False
+
+
+def _engine_totals(allocs: list[tuple[int, int, int, Any]]) -> list[tuple[int, int, int]]:
+    """(time, running total, size) of each allocation event, the running total less what the
+    process group allocated inside a collective call (``c10d::...`` ops: gloo's reduce-scatter
+    clones its input to all-reduce it).
+
+    Such staging is freed by whichever thread finishes the collective, and the profiler hears
+    of a free only on a thread it instruments (the issuing thread, and gloo's workers, which
+    carry its state). A thread of the engine's own that waits for the collective (shardweave
+    waits for gloo's reduce-scatter on one, so that its training thread keeps watching for
+    failed peers) is not one: the bytes would stay in the total for the rest of the run. So
+    the process group's staging is left out for every implementation alike; what is counted
+    is what the engines and the model allocate.
+    """
+    staged: dict[int, int] = {}  # pointer -> size of a staging block not seen freed
+    staged_bytes = 0
+    out: list[tuple[int, int, int]] = []
+    for t, total, size, event in allocs:
+        ptr = event.typed[1].ptr
+        if size > 0:
+            # A block at this address again: an earlier staging block there was freed unseen
+            # (its bytes stay in the total, and in staged_bytes).
+            staged.pop(ptr, None)
+            if _in_collective(event):
+                staged[ptr] = size
+                staged_bytes += size
+        elif ptr in staged:
+            staged_bytes -= staged.pop(ptr)
+        out.append((t, total - staged_bytes, size if ptr not in staged else 0))
+    return out
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -49,18 +49,22 @@ theoretical minimum for the sharding layout.
 Peak live tensor bytes. Each rank runs ``torch.profiler.profile(profile_memory=True)`` from
 before the model is built until after one measured training step (forward, backward, optimizer
 step, ``zero_grad``) that follows the warm-up steps, so optimizer state exists. With memory
-profiling on, c10's CPU allocator reports every allocation and free (from any thread: gloo's
-worker threads included) as an allocation event carrying a signed size and the allocator's
-running total of the bytes it tracks, updated under its lock (so exact whatever the order of
-equal timestamps). That total, less its value when the profiler started, is the bytes live in
-tensor storages allocated since then: the model, its sharded/unsharded parameters, gradients,
-optimizer state, activations, collective buffers, and anything an engine keeps in C++ (DDP's
-gradient buckets) that a Python-side walk would miss. Tensors made before the profiler
-started (process-group internals) are common to all implementations and not counted; CPU has
-no allocator cache, so freed bytes never count. The peak is the largest total inside the
+profiling on, c10's CPU allocator reports every allocation and free on the threads the
+profiler instruments (the training thread, and gloo's worker threads, which carry its state)
+as an allocation event carrying a signed size and the allocator's running total of the bytes
+it tracks, updated under its lock (so exact whatever the order of equal timestamps). That
+total, less its value when the profiler started, is the bytes live in tensor storages
+allocated since then: the model, its sharded/unsharded parameters, gradients, optimizer state,
+activations, the engines' collective buffers, and anything an engine keeps in C++ (DDP's
+gradient buckets) that a Python-side walk would miss. Left out, for every implementation
+alike: what the process group allocates inside a collective call (gloo's reduce-scatter clones
+its input to all-reduce it), which is freed by whichever thread finishes the collective, and
+a free on a thread the profiler does not instrument (shardweave waits for gloo's
+reduce-scatter on a thread of its own) would leave it counted for the rest of the run (see
+``_memory._engine_totals``); and tensors made before the profiler started. CPU has no
+allocator cache, so freed bytes never count. The peak is the largest total inside the
 measured step's ``record_function`` window, and the report takes the max over ranks.
-``live_before`` is the total when the step starts (steady-state memory; it can include a
-buffer a finished gloo collective has not released yet) and ``state_bytes`` the part of it that is parameters, gradients,
+``live_before`` is the total when the step starts (steady-state memory) and ``state_bytes`` the part of it that is parameters, gradients,
 optimizer state and buffers (distinct storages), so ``live_before - state_bytes`` is what an
 engine keeps besides them. Validation: every rank first measures a small step with a real
 all-reduce twice, once also holding a 1 MiB tensor through the window; the two peaks must
