@@ -64,9 +64,9 @@ reduce-scatter on a thread of its own) would leave it counted for the rest of th
 ``_memory._engine_totals``); and tensors made before the profiler started. CPU has no
 allocator cache, so freed bytes never count. The peak is the largest total inside the
 measured step's ``record_function`` window, and the report takes the max over ranks.
-``live_before`` is the total when the step starts (steady-state memory) and ``state_bytes`` the part of it that is parameters, gradients,
-optimizer state and buffers (distinct storages), so ``live_before - state_bytes`` is what an
-engine keeps besides them. Validation: every rank first measures a small step with a real
+``live_before`` is the total when the step starts (steady-state memory) and ``state_bytes``
+the part of it that is parameters, gradients, optimizer state and buffers (distinct
+storages), so ``live_before - state_bytes`` is what an engine keeps besides them. Validation: every rank first measures a small step with a real
 all-reduce twice, once also holding a 1 MiB tensor through the window; the two peaks must
 differ by exactly 1 MiB (the report's ``memory_self_check``), else the peak figures are
 marked unvalidated.
