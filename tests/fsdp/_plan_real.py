@@ -5,7 +5,9 @@ Peak live tensor bytes are counted as the benchmark counts them (``benchmarks/ru
 live tensor bytes"): ``torch.profiler`` with ``profile_memory=True`` runs from before the model
 is built, every CPU allocation event carries the allocator's running total, and the peak is the
 largest total inside the measured step's window (forward and backward, after a warm-up step so
-optimizer state exists). Gathered parameters are sampled at every operator of the step (what
+optimizer state exists). Unlike the benchmark, the process group's own staging (what gloo
+allocates inside a collective call) is counted here, since the planner's gloo schedule
+models it. Gathered parameters are sampled at every operator of the step (what
 modules compute with is only ever read by operators).
 """
 
