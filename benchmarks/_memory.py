@@ -108,6 +108,7 @@ def _engine_totals(allocs: list[tuple[int, int, int, Any]]) -> list[tuple[int, i
     out: list[tuple[int, int, int]] = []
     for t, total, size, event in allocs:
         ptr = event.typed[1].ptr
+        counted = size  # what this event changes in the total returned (0: staging)
         if size > 0:
             # A block at this address again: an earlier staging block there was freed unseen
             # (its bytes stay in the total, and in staged_bytes).
@@ -115,9 +116,11 @@ def _engine_totals(allocs: list[tuple[int, int, int, Any]]) -> list[tuple[int, i
             if _in_collective(event):
                 staged[ptr] = size
                 staged_bytes += size
+                counted = 0
         elif ptr in staged:
             staged_bytes -= staged.pop(ptr)
-        out.append((t, total - staged_bytes, size if ptr not in staged else 0))
+            counted = 0
+        out.append((t, total - staged_bytes, counted))
     return out
 
 

@@ -66,10 +66,10 @@ allocator cache, so freed bytes never count. The peak is the largest total insid
 measured step's ``record_function`` window, and the report takes the max over ranks.
 ``live_before`` is the total when the step starts (steady-state memory) and ``state_bytes``
 the part of it that is parameters, gradients, optimizer state and buffers (distinct
-storages), so ``live_before - state_bytes`` is what an engine keeps besides them. Validation: every rank first measures a small step with a real
-all-reduce twice, once also holding a 1 MiB tensor through the window; the two peaks must
-differ by exactly 1 MiB (the report's ``memory_self_check``), else the peak figures are
-marked unvalidated.
+storages), so ``live_before - state_bytes`` is what an engine keeps besides them.
+Validation: every rank first measures a small step with a real all-reduce twice, once also
+holding a 1 MiB tensor through the window; the two peaks must differ by exactly 1 MiB (the
+report's ``memory_self_check``), else the peak figures are marked unvalidated.
 """
 
 from __future__ import annotations
