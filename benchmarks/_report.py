@@ -1,8 +1,18 @@
-"""Report formatting: the human-readable summary printed from the JSON report."""
+"""Report formatting: the human-readable summary printed from the JSON report, and the
+JSON report itself."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    """Write ``report`` as JSON to ``path`` (its folder made if need be) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nreport written to {path}")
 
 
 def _fmt_bytes(n: float) -> str:

@@ -43,7 +43,6 @@ import argparse
 import cProfile
 import dataclasses
 import gc
-import json
 import os
 import platform
 import pstats
@@ -57,6 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _report import write_report
 from _workloads import GPT_CONFIG, WORKLOADS, Workload  # puts demos/ on sys.path
 from model import GPT
 from torch import nn
@@ -316,9 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(format_report(report))
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
-            print(f"\nreport written to {args.json}")
+            write_report(report, args.json)
         return 0
     finally:
         dist.destroy_process_group()

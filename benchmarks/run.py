@@ -75,7 +75,6 @@ report's ``memory_self_check``), else the peak figures are marked unvalidated.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -85,7 +84,7 @@ from typing import Any
 
 import torch
 from _engines import IMPLS, import_error
-from _report import format_report
+from _report import format_report, write_report
 from _sets import run_sets
 from _workloads import WORKLOADS
 
@@ -230,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(format_report(report))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nreport written to {args.json}")
+        write_report(report, args.json)
     return 0
 
 
