@@ -89,6 +89,24 @@ def _is_banned(module: str) -> bool:
     return any(module == b or module.startswith(b + ".") for b in BANNED_TORCH_MODULES)
 
 
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module a call imports by name (``importlib.import_module("m")``, a bare
+    ``import_module("m")`` or ``__import__("m")``), else None."""
+    if not (
+        isinstance(node, ast.Call)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return None
+    func = node.func
+    if (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id in {"__import__", "import_module"}
+    ):
+        return node.args[0].value
+    return None
+
+
 def _imported_modules(
     tree: ast.Module, module_name: str, is_pkg: bool
 ) -> Iterator[tuple[int, str]]:
@@ -106,20 +124,8 @@ def _imported_modules(
                 yield node.lineno, base
             for name in names:
                 yield node.lineno, name
-        elif (
-            isinstance(node, ast.Call)
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-            and (
-                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                or (
-                    isinstance(node.func, ast.Name)
-                    and node.func.id in {"__import__", "import_module"}
-                )
-            )
-        ):
-            yield node.lineno, node.args[0].value
+        elif (dynamic := _dynamic_import(node)) is not None:
+            yield node.lineno, dynamic
 
 
 def _declared_shardweave_deps(pyproject: dict[str, object]) -> dict[str, str]:
@@ -409,17 +415,8 @@ def _own_imports(
                 target = full if full in modules else _resolve(base, modules)
                 if target is not None:
                     yield node.lineno, target, kind
-        elif (
-            isinstance(node, ast.Call)
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-            and (
-                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                or (isinstance(node.func, ast.Name) and node.func.id == "__import__")
-            )
-        ):
-            target = _resolve(node.args[0].value, modules)
+        elif (dynamic := _dynamic_import(node)) is not None:
+            target = _resolve(dynamic, modules)
             if target is not None:
                 yield node.lineno, target, kind
         for child in ast.iter_child_nodes(node):
