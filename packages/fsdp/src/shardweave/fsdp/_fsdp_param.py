@@ -286,11 +286,8 @@ class FSDPParam:
             return padded_flat.as_strided(
                 self.sharded_size, self._padded_strides, padded_flat.storage_offset() + offset
             )
-        if offset or padded_flat.numel() != numel:
-            padded_flat = padded_flat.narrow(0, offset, numel)
-        return padded_flat.view(self.padded_sharded_size).narrow(
-            self.shard_dim, 0, self.sharded_size[self.shard_dim]
-        )
+        padded = padded_flat.narrow(0, offset, numel).view(self.padded_sharded_size)
+        return padded.narrow(self.shard_dim, 0, self.sharded_size[self.shard_dim])
 
     # --- dtypes -------------------------------------------------------------------------------
     def init_dtype_attrs(self, mp_policy: MixedPrecisionPolicy) -> None:
