@@ -104,7 +104,7 @@ def _closure(pkg: str) -> list[str]:
 
 
 def _install_torch(session: nox.Session) -> None:
-    # First, so that the packages' `torch>=2.11,<2.15` is already satisfied when pip sees it.
+    # First, so that the packages' `torch>=2.11,<2.16` is already satisfied when pip sees it.
     spec = os.environ.get(TORCH_SPEC_ENV, "").strip() or DEFAULT_TORCH_SPEC
     # --no-compile: byte-compiling all of torch costs more than compiling what a run imports.
     session.install("--no-compile", *shlex.split(spec))

@@ -27,6 +27,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, 
 
 from shardweave.fsdp import FSDPModule, fully_shard
 from shardweave.fsdp._fsdp_state import get_fsdp_state
+from shardweave.fsdp._torch_interop import unimplemented_torch_methods
 from shardweave.replicate import ReplicateModule, replicate
 from tests._dist import WorkerPool
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
@@ -71,7 +72,8 @@ def marker_identity(rank: int, world: int) -> None:
         assert mro.index(FSDPModule) < mro.index(TorchFSDPModule), mro  # ours wins lookups
         assert not isinstance(seq[1], TorchFSDPModule)  # managed through the root, as torch
     assert isinstance(rep, ReplicateModule)
-    # every method a caller can reach through torch's class is ours
+    # every method a caller can reach through torch's class is ours: none is left to the guard
+    # (whose stand-ins raise), and none to torch's class
     for name, attr in vars(TorchFSDPModule).items():
         if not inspect.isfunction(attr) or name in ("__init__",):
             continue
@@ -80,6 +82,8 @@ def marker_identity(rank: int, world: int) -> None:
             owner = next(c for c in type(m).__mro__ if name in vars(c))
             assert owner is not TorchFSDPModule, (name, owner)
             assert resolved is not attr, name
+    for m in (seq, rep):
+        assert unimplemented_torch_methods(type(m)) == [], type(m)
     # torch's composable accessors (PipelineStage reads fully_shard.state) find our states
     assert torch_fully_shard.state(seq) is get_fsdp_state(seq)  # type: ignore[attr-defined]
     assert torch_fully_shard.state(seq[0]) is get_fsdp_state(seq[0])  # type: ignore[attr-defined]

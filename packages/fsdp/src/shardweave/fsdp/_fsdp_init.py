@@ -342,7 +342,8 @@ def _no_deepcopy(self: nn.Module, memo: dict[int, Any]) -> NoReturn:
 
 def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
     """Make ``module`` an instance of ``FSDP<Its class>``: ``mixin`` first, so its methods win,
-    then torch's ``FSDPModule`` as a marker (see _torch_interop), then the module's own class."""
+    then the guard of torch's methods and torch's ``FSDPModule`` as a marker (see _torch_interop),
+    then the module's own class."""
     cls = type(module)
     key = (cls, mixin)
     new_cls = _CLASS_CACHE.get(key)

@@ -1,7 +1,12 @@
-"""What differs between the torch releases shardweave supports (2.11 to 2.14), in one place.
+"""What differs between the torch releases shardweave supports (2.11 to 2.15), in one place.
 
-Every version difference the packages meet is a name here, resolved when it is called, so that
-a test or a user that patches torch's function (a collective counter, a tracer) is seen:
+Our behaviour follows the torch the user has installed: where a release changed an API or a
+default, the engine reads a named rule here, never ``torch.__version__``. A new torch release
+is: diff its FSDP2 against the last one, add a rule (or a capability) per difference below,
+each with the release that introduced it, and add the release to ``nox -s compat``.
+
+Collectives, resolved when called so that a test or a user that patches torch's function (a
+collective counter, a tracer) is seen:
 
 * torch 2.13 renamed the tensor collectives ``all_gather_into_tensor`` and
   ``reduce_scatter_tensor`` to ``all_gather_single`` and ``reduce_scatter_single`` and
@@ -9,6 +14,13 @@ a test or a user that patches torch's function (a collective counter, a tracer) 
 * torch 2.11 and 2.12's ``PipelineStage`` finishes a stage's backward through
   ``state._fsdp_param_group`` (one group per state, or None) where 2.13 reads
   ``state._fsdp_param_groups``: ``STATE_EXPOSES_ONE_GROUP`` says which (``FSDPState``).
+
+Rules:
+
+* ``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE`` (torch 2.15): with ``reduce_dtype=None`` gradients are
+  reduced in the parameter's gradient dtype (its ``grad_dtype``, else its original dtype), no
+  longer in ``param_dtype``; a group whose gradients differ in dtype reduces in their promoted
+  dtype.
 
 Tested in ``tests/fsdp/world_1/test_torch_compat.py`` with either name hidden.
 """
@@ -20,10 +32,29 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-__all__ = ["STATE_EXPOSES_ONE_GROUP", "all_gather_single", "reduce_scatter_single"]
+__all__ = [
+    "REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE",
+    "STATE_EXPOSES_ONE_GROUP",
+    "TORCH_RELEASE",
+    "all_gather_single",
+    "reduce_scatter_single",
+]
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string ("2.15.0+cu132" -> (2, 15))."""
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+# The installed torch's release; every rule below is a comparison with it, made once.
+TORCH_RELEASE: tuple[int, int] = _release(torch.__version__)
 
 # torch's pipelining reads a state's single ``_fsdp_param_group`` before 2.13.
-STATE_EXPOSES_ONE_GROUP: bool = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
+STATE_EXPOSES_ONE_GROUP: bool = TORCH_RELEASE < (2, 13)
+
+# torch 2.15: ``reduce_dtype=None`` reduces in the gradient's dtype, not in ``param_dtype``.
+REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE: bool = TORCH_RELEASE >= (2, 15)
 
 
 def all_gather_single(

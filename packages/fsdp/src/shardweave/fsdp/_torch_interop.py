@@ -8,6 +8,14 @@ So the classes ``fully_shard`` and ``replicate`` create also derive from torch's
 ``FSDPModule``, as a marker only: it comes after ours in the MRO, so every method a caller reaches
 through it is ours, and no torch engine object is ever created.
 
+A torch release can add methods to its ``FSDPModule`` before we have ours (2.15 added three).
+Reached through the marker they would run torch's engine code over our state: fail deep inside
+torch, or worse, silently do nothing. So a guard class sits between ours and the marker, built
+from torch's class as installed: for every method torch defines, a stand-in that raises
+``NotImplementedError`` naming the method and the torch release. Ours come first in the MRO, so
+the guard only answers for what we lack (``unimplemented_torch_methods``; empty on every release
+we support, which ``tests/fsdp/world_2/test_torch_marker.py`` checks).
+
 ``PipelineStage`` also reads our state through torch's composable-API accessor
 (``torch.distributed.fsdp.fully_shard.state(module)``), which looks the state up in
 ``module.__dict__[STATE_KEY]`` keyed by torch's function object. ``TorchStateSlot`` answers that
@@ -21,9 +29,11 @@ shardweave never loads ``torch.distributed.fsdp``.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -35,6 +45,7 @@ __all__ = [
     "expose_state_to_torch",
     "managed_by_torch",
     "torch_marker_bases",
+    "unimplemented_torch_methods",
 ]
 
 
@@ -59,7 +70,8 @@ _TORCH_APIS: dict[tuple[str, str], tuple[str, ...]] = {
 
 @functools.cache
 def torch_marker_bases() -> tuple[type, ...]:
-    """torch's public ``FSDPModule`` as the one extra base of the classes we create, or none.
+    """The extra bases of the classes we create, after ours: the guard of torch's methods, then
+    torch's public ``FSDPModule`` (the marker, always last); or none.
 
     None when torch has no ``torch.distributed.fsdp`` (a build without distributed), or when
     that name is already shardweave's own class (a process that swapped torch's public names for
@@ -70,7 +82,50 @@ def torch_marker_bases() -> tuple[type, ...]:
         return ()
     if not isinstance(marker, type) or issubclass(marker, ManagedModule):
         return ()
-    return (marker,)
+    return (_method_guard(marker), marker)
+
+
+class TorchMethodGuard:
+    """The base of the guard class: its stand-ins are made per torch release (``_method_guard``)."""
+
+
+def _method_guard(marker: type) -> type:
+    """A class with a raising stand-in for every method (function, static or class method,
+    property) torch's ``marker`` defines, dunders aside (its ``__new__`` and ours do the same)."""
+    stand_ins: dict[str, Any] = {}
+    for name, attr in vars(marker).items():
+        if name.startswith("__") and name.endswith("__"):
+            continue
+        if inspect.isfunction(attr) or isinstance(attr, (staticmethod, classmethod)):
+            stand_ins[name] = _refusing_method(name)
+        elif isinstance(attr, property):
+            stand_ins[name] = property(_refusing_method(name))
+    return type("TorchFSDPModuleMethodGuard", (TorchMethodGuard,), stand_ins)
+
+
+def _refusing_method(name: str) -> Any:
+    def refused(self: object, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(
+            f"{type(self).__name__}.{name} is a method of torch {torch.__version__}'s "
+            f"FSDPModule that shardweave does not implement yet, and shardweave never runs "
+            "torch's FSDP code over its own modules; apply torch's fully_shard for this feature, "
+            "or ask shardweave for it"
+        )
+
+    refused.__name__ = refused.__qualname__ = name
+    return refused
+
+
+def unimplemented_torch_methods(cls: type) -> list[str]:
+    """The methods of torch's ``FSDPModule`` that, on ``cls``, reach the guard's stand-in."""
+    guards = [c for c in cls.__mro__ if issubclass(c, TorchMethodGuard) and c is not TorchMethodGuard]
+    return sorted(
+        name
+        for guard in guards
+        for name in vars(guard)
+        if not name.startswith("__")
+        and next(c for c in cls.__mro__ if name in vars(c)) is guard
+    )
 
 
 def managed_by_torch(module: nn.Module) -> bool:
@@ -79,7 +134,7 @@ def managed_by_torch(module: nn.Module) -> bool:
     Imports nothing: when torch's FSDP was never loaded, no module can be one of its."""
     if "torch.distributed.fsdp" not in sys.modules or not torch_marker_bases():
         return False
-    return isinstance(module, torch_marker_bases()[0]) and not isinstance(module, ManagedModule)
+    return isinstance(module, torch_marker_bases()[-1]) and not isinstance(module, ManagedModule)
 
 
 class TorchStateSlot(dict[Any, Any]):
