@@ -58,9 +58,12 @@ CUDA_ONLY = ("sync", "csan")
 # ``offload_hooks`` also compares the full state dict gathered from the offloaded shards.
 PARITY_CASES = ("fsdp", "cpu_batch", "bf16", "offload_hooks", "replicate", "hsdp_1x1")
 # At four threaded ranks; the bf16 reductions cast on the comm streams after the collective
-# (HSDP: the all-reduce buffer before its cast; replicate: the same through its buckets).
+# (HSDP: the all-reduce buffer before its cast; replicate: the same through its buckets);
+# CPU offload copies the gradients to the host behind it (non-blocking into pinned memory,
+# waited at the end of backward; blocking for the optimizer-in-backward hooks).
 DELAYED_CASES = (
     "fsdp", "bf16", "hsdp_2x2", "hsdp_2x2_bf16_reduce", "replicate", "replicate_bf16_reduce",
+    "offload", "offload_hooks",
 )  # fmt: skip
 # About 1 ms on a 1.5-2 GHz SM clock: longer than any collective of these small models takes.
 SLEEP_CYCLES = 2_000_000
@@ -102,6 +105,7 @@ CASES: dict[str, dict[str, Any]] = {
     "fsdp": {},
     "cpu_batch": {},
     "bf16": {"mp": True},
+    "offload": {"offload": True},
     "offload_hooks": {"offload": True},
     "replicate": {"replicate": True},
     "replicate_bf16_reduce": {"replicate": True, "mp": True, "reduce_dtype": "bfloat16"},

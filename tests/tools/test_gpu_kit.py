@@ -87,7 +87,7 @@ def test_cpu_sections_pass_and_cuda_ones_are_skipped(tmp_path: Path) -> None:
     delayed = sections["delayed"]
     assert delayed["passed"] and delayed["collectives_issued"] > 100, delayed
     cases = ("fsdp", "bf16", "hsdp_2x2", "hsdp_2x2_bf16_reduce", "replicate")
-    for case in (*cases, "replicate_bf16_reduce"):
+    for case in (*cases, "replicate_bf16_reduce", "offload", "offload_hooks"):
         assert delayed[case]["bitwise"] and len(delayed[case]["ranks"]) == 4, case
     points = delayed["delay_points"]
     assert set(points) == {
