@@ -1,34 +1,51 @@
 """The GPU kit: in one command, the checks of the engine that only a CUDA device can make.
 
-    python tools/gpu_kit.py [--out gpu-report.json] [--sections parity,delayed,sync,csan,bench]
+    python tools/gpu_kit.py [--out gpu-report.json] [--sections plugin,parity,delayed,...]
     nox -s gpu            (the same with the machine's own python and torch; never run by CI)
 
 It needs nothing but torch (2.11 or newer) and this checkout: the four packages are imported
-from ``packages/*/src``, so a machine without a package index runs it as it is. Each section
-runs in a subprocess of its own (the threaded process group and CUDA's sanitizer change the
-process they run in) and the report is one JSON file:
+from ``packages/*/src`` and the mutation list from ``tests/``, so a machine without a package
+index runs it as it is (``llama`` also uses transformers when it is there). Each section runs
+in a subprocess of its own (the threaded process group and CUDA's sanitizer change the process
+they run in) and the report is one JSON file:
 
 * ``parity``: world size 1 on NCCL, shardweave against torch's ``fully_shard`` on the same
-  model and batches (per-block FSDP, bf16 compute with fp32 reduction, CPU offload with
-  optimizer-in-backward hooks, ``replicate``, HSDP on a 1x1 mesh): losses, shards and grads
-  bitwise.
+  model and batches (per-block FSDP, CPU batches, bf16 compute with fp32 reduction, CPU
+  offload with optimizer-in-backward hooks and the full state dict, ``replicate``, HSDP on a
+  1x1 mesh): losses, shards and grads bitwise.
 * ``plugin``: the test plugin of ``delayed`` checked on its own: its all-gather, reduce-scatter
   (sum, average) and all-reduce at four ranks against closed forms, with the delay.
 * ``delayed``: four ranks on the one GPU as threads of one process, through a test
   ``COLLECTIVES`` plugin (``DelayedCollectives``) that moves the right bytes on the stream the
-  engine issues on, after an injected ``torch.cuda._sleep``. A consumer that does not wait for
-  the collective, or a buffer the allocator hands out again while the collective still reads
-  it, changes the numbers: each case must be bitwise equal to the same run with no delay and
+  engine issues on, after an injected ``torch.cuda._sleep`` (a late producer), and with a
+  sleep on the current stream before each consumer (``DELAY_POINTS``: the copy-out, the
+  copy-in, the reduce-scatter input's layout, the optimizer step). Cases: FSDP, bf16, HSDP 2x2
+  with fp32 and bf16 reductions, ``replicate`` with both, CPU offload (non-blocking and with
+  optimizer-in-backward hooks). Each must be bitwise equal to the same run with no delay and
   a device synchronization after every collective.
-* ``sync``: ``torch.cuda.set_sync_debug_mode`` over steady-state steps: every host
-  synchronization our engine makes, beside the ones torch's FSDP2 makes in the same loop.
+* ``mutants``: the tests' own mutations (``WAIT_MUTATIONS`` and ``KEEP_ALIVE_MUTATIONS`` of
+  ``tests/fsdp/_stream_order.py``: every stream wait and keep-alive of the engine's design
+  note), one at a time. On CUDA the mutant's waits are removed from ``torch.cuda.Stream``
+  and the delayed run must differ from the synchronized one (while an unmutated delayed run,
+  the control, agrees); on CPU each runs at two gloo ranks on the test accelerator and the
+  stream sanitizer must report it. Every mutant must be caught.
+* ``llama``: a transformers ``LlamaForCausalLM`` (tied and untied embeddings, bf16 and fp32,
+  with and without CPU offload) at world 1, with torch's engine run twice as the control:
+  a difference is reported only where torch's engine agrees with itself.
+* ``sync``: ``torch.cuda.set_sync_debug_mode("warn")`` over steady-state steps: every host
+  synchronization (torch's sync warnings only; other warnings are listed apart) of our
+  engine and of torch's FSDP2 in the same loop; passes iff ours makes no more.
 * ``csan``: a few steps under ``TORCH_CUDA_SANITIZER=1`` (torch's CUDA stream sanitizer).
-* ``bench``: step time and peak memory against torch's FSDP2 at world size 1, on a model of
-  about 0.54 B parameters with bf16 compute (ratios).
+* ``bench``: step time and per-phase allocated/peak memory (after forward, backward, the
+  optimizer step, between steps) against torch's FSDP2 at world size 1, on a model of about
+  0.54 B parameters with bf16 compute; each of the four rounds in a fresh process, and the
+  section fails unless every round starts from the same allocated bytes.
 
-Without a CUDA device it says so in one line and exits 0. ``--device cpu`` runs the sections
-that do not need CUDA (``plugin`` and ``delayed`` without the sleep, ``parity`` on gloo) on the CPU: the test
-suite proves the kit's own logic that way (``tests/tools/test_gpu_kit.py``).
+Without a CUDA device (or without torch) it says so in one line and exits 0. ``--device cpu``
+runs every section that does not need CUDA on the CPU (``delayed`` without the sleeps,
+``parity`` and ``llama`` on gloo, ``mutants`` under the sanitizer, ``bench`` at a tiny size
+with live tensor bytes): the test suite proves the kit's own logic that way
+(``tests/tools/test_gpu_kit.py``).
 """
 
 from __future__ import annotations
@@ -355,7 +372,9 @@ class DelayedCollectives:
             return
         stream = torch.cuda.current_stream()
         for event in events:
-            stream.wait_event(event)
+            # Event.wait, not Stream.wait_event: the ``mutants`` section removes the engine's
+            # Stream waits by caller, and the plugin's own waits must stay.
+            event.wait(stream)
 
     def _key(self, kind: str, group: Any) -> tuple[int, int, tuple[Any, ...]]:
         """(rank, world, key): the n-th call of a group meets the n-th call of every peer."""
@@ -664,8 +683,9 @@ def _run_plans(
     device_type: str, world: int, plans: list[dict[str, Any]]
 ) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
     """Threads as ranks on one device; each plan (``label``, ``case``: a name or scenario dict,
-    ``delayed``: sleep before collectives and consumers, ``synchronize``: the host waits after
-    every collective, ``drop``: engine functions whose waits are removed, ``bucket_bytes``)
+    ``delayed``: sleep before collectives and (unless ``consumers`` is false) before consumers,
+    ``synchronize``: the host waits after every collective, ``drop``: engine functions whose
+    waits are removed, ``bucket_bytes``)
     trains a fresh model for two steps. Returns {label: {rank: result}} and what was seen."""
     import torch
 
@@ -679,8 +699,8 @@ def _run_plans(
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     counts: dict[str, int] = {}
     dropped: list[str] = []
-    current: dict[str, Any] = {"drop": frozenset(), "sleep": 0}
-    cycles = lambda: int(current["sleep"])  # noqa: E731
+    current: dict[str, Any] = {"drop": frozenset(), "sleep": 0, "consumers": True}
+    cycles = lambda: int(current["sleep"]) if current["consumers"] else 0  # noqa: E731
     before_optimizer = _sleep_before_optimizer(device_type, cycles, counts)
 
     def body(rank: int) -> None:
@@ -691,6 +711,7 @@ def _run_plans(
             if rank == 0:
                 current["sleep"] = SLEEP_CYCLES if plan.get("delayed") else 0
                 current["drop"] = frozenset(plan.get("drop", ()))
+                current["consumers"] = plan.get("consumers", True)
                 plugin.sleep_cycles = current["sleep"]
                 plugin.synchronize = bool(plan.get("synchronize"))
             barrier.wait()
@@ -795,25 +816,29 @@ def mutants_threaded(device_type: str, world: int, names: list[str]) -> dict[str
     for name in names:
         cfg, drop, _ = muts[name]
         base = {"case": _cfg_for_kit(cfg), "bucket_bytes": cfg.get("bucket_bytes")}
-        plans += [
-            {**base, "label": f"{name}/synchronized", "synchronize": True},
-            {**base, "label": f"{name}/control", "delayed": True},
-            {**base, "label": f"{name}/mutant", "delayed": True, "drop": (drop,)},
-        ]
+        plans.append({**base, "label": f"{name}/synchronized", "synchronize": True})
+        # Two delay patterns: a consumer's sleep can also hide a race (a sleep before the
+        # optimizer gives a late cast on the reduce-scatter stream time to finish), so each
+        # mutant runs with and without the consumer-side sleeps, each beside its control.
+        for delays in ("all", "collectives"):
+            for kind, dropped in (("control", ()), ("mutant", (drop,))):
+                plans.append({**base, "label": f"{name}/{kind}/{delays}", "delayed": True,
+                              "consumers": delays == "all", "drop": dropped})  # fmt: skip
     runs, seen = _run_plans(device_type, world, plans)
     results: dict[str, Any] = {}
     for name in names:
         ref = runs[f"{name}/synchronized"]
-        control = _same(runs[f"{name}/control"], ref, world)["bitwise"]
-        mutant = _same(runs[f"{name}/mutant"], ref, world)["bitwise"]
-        dropped = seen["dropped"].count(muts[name][1])
-        results[name] = {
-            # A mutant whose waits were never asked for (0 dropped) tested nothing.
-            "caught": control and not mutant and dropped > 0,
-            "control_bitwise": control,
-            "mutant_bitwise": mutant,
-            "waits_dropped": dropped,
-        }
+        result: dict[str, Any] = {}
+        for delays in ("all", "collectives"):
+            for kind in ("control", "mutant"):
+                same = _same(runs[f"{name}/{kind}/{delays}"], ref, world)["bitwise"]
+                result[f"{kind}_bitwise/{delays}"] = same
+        controls = result["control_bitwise/all"] and result["control_bitwise/collectives"]
+        differs = not (result["mutant_bitwise/all"] and result["mutant_bitwise/collectives"])
+        result["waits_dropped"] = seen["dropped"].count(muts[name][1])
+        # A mutant whose waits were never asked for (0 dropped) tested nothing.
+        result["caught"] = controls and differs and result["waits_dropped"] > 0
+        results[name] = result
     results["delay_points"] = seen["delay_points"]
     results["ok"] = all(results[n]["caught"] for n in names) and bool(names)
     return results
@@ -1167,8 +1192,8 @@ class _Meter:
 
 
 def bench_round(engine: str, device_type: str) -> dict[str, Any]:
-    """One round in this process: baseline (allocated before the model exists), per-phase
-    allocated/peak of the last measured step, median step time, and what is left allocated
+    """One round in this process: baseline (allocated before the model exists), median step
+    time, per-phase allocated/peak of one more step after the timed ones, and what is left allocated
     after the round is deleted and collected (``leftover_bytes``, for information)."""
     import gc
 
@@ -1186,24 +1211,35 @@ def bench_round(engine: str, device_type: str) -> dict[str, Any]:
         _apply(engine, model, "bf16", device_type)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         x = torch.randn(batch, seq, dim, device=device)
+
+        def step(model: Any, opt: Any, x: Any) -> None:
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step(model, opt, x)
+        # Timed steps run back to back (no host wait inside a step, which would hide
+        # overlap); the per-phase memory is measured on one more step after them.
         times: list[float] = []
-        phases: dict[str, dict[str, int]] = {}
-        for i in range(warmup + measured):
-            phases = {}
+        for _ in range(measured):
             if device_type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            with meter.phase(phases, "forward"):
-                loss = model(x).float().pow(2).mean()
-            with meter.phase(phases, "backward"):
-                loss.backward()
-                del loss
-            with meter.phase(phases, "optimizer"):
-                opt.step()
-            with meter.phase(phases, "zero_grad"):  # between steps
-                opt.zero_grad(set_to_none=True)
-            if i >= warmup:
-                times.append((time.perf_counter() - start) * 1e3)
+            step(model, opt, x)
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        phases: dict[str, dict[str, int]] = {}
+        with meter.phase(phases, "forward"):
+            loss = model(x).float().pow(2).mean()
+        with meter.phase(phases, "backward"):
+            loss.backward()
+            del loss
+        with meter.phase(phases, "optimizer"):
+            opt.step()
+        with meter.phase(phases, "zero_grad"):  # between steps
+            opt.zero_grad(set_to_none=True)
         del model, opt, x
         gc.collect()
         leftover = meter.allocated() - baseline
