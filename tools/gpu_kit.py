@@ -1149,7 +1149,9 @@ def live_tensor_bytes() -> int:
 
     storages: dict[tuple[str, int], int] = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor):
+        # issubclass(type(...)): isinstance would read ``__class__``, which some lazy module
+        # attributes answer with a deprecation warning.
+        if not issubclass(type(obj), torch.Tensor):
             continue
         local = getattr(obj, "_local_tensor", obj)
         if local.device.type == "meta" or not isinstance(local, torch.Tensor):
