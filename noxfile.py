@@ -237,12 +237,15 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=False, venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The GPU kit (tools/gpu_kit.py): parity with torch's FSDP2 on NCCL, delayed collectives,
-    host syncs, CUDA's sanitizer and a 0.5B-parameter benchmark, in one JSON report.
+    """The GPU kit (tools/gpu_kit.py): parity with torch's FSDP2 on NCCL, delayed collectives
+    with consumer-side delays, the tests' stream mutations (each must be caught), a
+    transformers Llama (when installed), host syncs, CUDA's sanitizer and a 0.5B-parameter
+    benchmark (each round in a fresh process), in one JSON report.
 
     Runs with the machine's own python and torch (torch 2.11 or newer, no package index
-    needed): the packages are imported from packages/*/src. Without CUDA it prints one line and
-    exits 0. Arguments after -- go to the script (e.g. -- --out report.json). Never a default.
+    needed): the packages are imported from packages/*/src. Without CUDA, or without torch in
+    that python, it prints one line and exits 0. Arguments after -- go to the script (e.g.
+    -- --out report.json). Never a default.
     """
     session.run("python", "tools/gpu_kit.py", *session.posargs, external=True)
 

@@ -71,6 +71,49 @@ WAIT_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
 }
 
 
+_BF16_REDUCE: dict[str, Any] = {"mp": True, "reduce_dtype": torch.bfloat16}
+
+# Each keep-alive of Design note: stream ordering, through the wait that ends it: without that
+# wait the buffer is released while another stream's use is unordered (reported as an unsafe
+# reuse by the allocator model; on a GPU the caching allocator hands the block out again).
+# Same shape as WAIT_MUTATIONS; the accelerator-branch tests and the GPU kit's ``mutants``
+# section (tools/gpu_kit.py) run both lists.
+KEEP_ALIVE_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
+    # Keep-alive of the reduce-scatter input (point 6): released when the current stream
+    # waited for the reduce-scatter.
+    "keep-reduce-scatter-input": (
+        _BF16_REDUCE,
+        "ReductionSchedule._retire_reduce_scatter",
+        ("unsafe reuse", "c10d::_reduce_scatter_base_"),
+    ),
+    # The same keep-alive (point 6) for a replicate bucket, the bucketed variant of the one
+    # reduction: its input (every group's gradients laid side by side, on the current stream)
+    # is read on the reduce-scatter stream (copied into its own block, as with one shard
+    # rank), and released only when the current stream waited for that copy.
+    "keep-bucket-input": (
+        {"replicate": True, **_BF16_REDUCE, "bucket_bytes": 1000},
+        "ReductionSchedule._retire_reduce_scatter",
+        ("unsafe reuse", "aten::copy_"),
+    ),
+    # Keep-alive of the all-reduce buffer (point 8): replicate's one-rank reduce-scatter
+    # output, all-reduced on its own stream, then cast; released when the reduce-scatter
+    # stream waited for the all-reduce. Buckets capped at 1000 bytes, so each block's bucket
+    # starts in backward (with DDP's caps the tiny model is one bucket, started at the end).
+    "keep-all-reduce-buffer": (
+        {"replicate": True, **_BF16_REDUCE, "bucket_bytes": 1000},
+        "ReductionSchedule._release_all_reduce_buffers",
+        ("unsafe reuse", "c10d::allreduce_"),
+    ),
+    # Keep-alive of the forward all-gather output (point 3): released when the all-gather
+    # streams waited for the copy-out.
+    "keep-all-gather-output": (
+        {},
+        "FSDPCommContext.wait_for_previous_all_gather",
+        ("aten::split_with_sizes_copy",),
+    ),
+}
+
+
 def _mesh(cfg: dict[str, Any], world: int) -> DeviceMesh:
     if cfg.get("hsdp"):
         return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))

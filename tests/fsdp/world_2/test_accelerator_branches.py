@@ -21,6 +21,7 @@ from tests._dist import WorkerPool
 from tests._dist.stream_sanitizer import stream_sanitizer
 from tests.fsdp._models import loss_fn, make_batch, make_model
 from tests.fsdp._stream_order import (
+    KEEP_ALIVE_MUTATIONS,
     WAIT_MUTATIONS,
     check_watched,
     mutated,
@@ -58,44 +59,8 @@ def test_accelerator_branches_match_cpu_branches(world2: WorkerPool, cfg: dict[s
     check_watched(world2.run(sanitized_vs_plain, cfg, True), cfg)
 
 
-# (scenario, engine function whose stream waits are removed, what the report must name).
-# Each wait of Design note: stream ordering, and each keep-alive, through the wait that ends
-# it: without that wait the buffer is released while another stream's use is unordered.
-MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
-    **WAIT_MUTATIONS,
-    # Keep-alive of the reduce-scatter input (point 6): released when the current stream
-    # waited for the reduce-scatter.
-    "keep-reduce-scatter-input": (
-        BF16_REDUCE,
-        "ReductionSchedule._retire_reduce_scatter",
-        ("unsafe reuse", "c10d::_reduce_scatter_base_"),
-    ),
-    # The same keep-alive (point 6) for a replicate bucket, the bucketed variant of the one
-    # reduction: its input (every group's gradients laid side by side, on the current stream)
-    # is read on the reduce-scatter stream (copied into its own block, as with one shard
-    # rank), and released only when the current stream waited for that copy.
-    "keep-bucket-input": (
-        {"replicate": True, **BF16_REDUCE, "bucket_bytes": 1000},
-        "ReductionSchedule._retire_reduce_scatter",
-        ("unsafe reuse", "aten::copy_"),
-    ),
-    # Keep-alive of the all-reduce buffer (point 8): replicate's one-rank reduce-scatter
-    # output, all-reduced on its own stream, then cast; released when the reduce-scatter
-    # stream waited for the all-reduce. Buckets capped at 1000 bytes, so each block's bucket
-    # starts in backward (with DDP's caps the tiny model is one bucket, started at the end).
-    "keep-all-reduce-buffer": (
-        {"replicate": True, **BF16_REDUCE, "bucket_bytes": 1000},
-        "ReductionSchedule._release_all_reduce_buffers",
-        ("unsafe reuse", "c10d::allreduce_"),
-    ),
-    # Keep-alive of the forward all-gather output (point 3): released when the all-gather
-    # streams waited for the copy-out.
-    "keep-all-gather-output": (
-        {},
-        "FSDPCommContext.wait_for_previous_all_gather",
-        ("aten::split_with_sizes_copy",),
-    ),
-}
+# Each wait of Design note: stream ordering, and each keep-alive (``_stream_order``).
+MUTATIONS = {**WAIT_MUTATIONS, **KEEP_ALIVE_MUTATIONS}
 
 
 @pytest.mark.parametrize("case", list(MUTATIONS.values()), ids=list(MUTATIONS))
