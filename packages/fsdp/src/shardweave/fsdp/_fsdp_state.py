@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -34,12 +33,15 @@ if TYPE_CHECKING:
 
 __all__ = ["FULLY_SHARD_API", "EngineAPI", "FSDPState", "FSDPStateContext", "get_fsdp_state"]
 
-# Where a module's state lives. A weak map, so sharding a module never keeps it alive.
-_STATES: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
+# Where a module's state lives: in the module's own ``__dict__``. The state refers to its
+# modules (and its hooks to the state), so a map from module to state outside the module, even a
+# weak-keyed one, keeps every sharded model alive for the life of the process (the map holds the
+# state strongly, the state the key). On the module, the two form a cycle the collector frees.
+_STATE_ATTR = "_shardweave_fsdp_state"
 
 
 def get_fsdp_state(module: nn.Module) -> FSDPState | None:
-    return _STATES.get(module)
+    return module.__dict__.get(_STATE_ATTR)
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,14 @@ class FSDPState:
         self._modules_to_run_forward: set[nn.Module] = set()
         self._hook_handles: list[RemovableHandle] = []
         for module in modules:
-            if module in _STATES:
+            if (other := get_fsdp_state(module)) is not None:
                 raise AssertionError(
                     f"{api.name}: {type(module).__name__} is already managed by "
-                    f"{_STATES[module].api.name}; each distinct composable distributed API "
+                    f"{other.api.name}; each distinct composable distributed API "
                     "can only be applied to a module once"
                 )
         for module in modules:
-            _STATES[module] = self
+            module.__dict__[_STATE_ATTR] = self
         # What torch calls back into, each made once and run outside dynamo's tracing (see
         # Design note: hooks run eagerly, _fsdp_common); register_fsdp_forward_method uses the
         # forward pair too.
@@ -149,8 +151,8 @@ class FSDPState:
             handle.remove()
         self._hook_handles.clear()
         for module in self._modules:
-            if _STATES.get(module) is self:
-                del _STATES[module]
+            if get_fsdp_state(module) is self:
+                del module.__dict__[_STATE_ATTR]
 
     # --- hook registration --------------------------------------------------------------------
     def _register_forward_hooks(self) -> None:
