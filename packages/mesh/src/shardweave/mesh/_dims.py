@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -119,6 +123,26 @@ def check_mesh_argument(mesh: object, *, api: str) -> None:
     )
 
 
+def _torch_dims_type() -> type | None:
+    """torch's ``DataParallelMeshDims`` (torch.distributed.fsdp, torch 2.13+) when that package
+    is loaded and has it, else None: then no object can be one, and shardweave never loads
+    torch's FSDP package itself."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    found = getattr(module, "DataParallelMeshDims", None)
+    return found if isinstance(found, type) else None
+
+
+def _as_own_dims(dims: object) -> object:
+    """torch's ``DataParallelMeshDims`` converted to ours, field by field (torchtitan passes
+    torch's); anything else is returned unchanged for ``_check_dims_argument``. A field torch
+    adds later fails here, loudly, instead of being dropped."""
+    torch_dims = _torch_dims_type()
+    if torch_dims is None or not isinstance(dims, torch_dims):
+        return dims
+    fields = {f.name: getattr(dims, f.name) for f in dataclasses.fields(dims)}  # type: ignore[arg-type]
+    return DataParallelMeshDims(**fields)
+
+
 def _check_dims_argument(dims: object, api: str) -> None:
     if dims is None or isinstance(dims, DataParallelMeshDims):
         return
@@ -152,7 +176,7 @@ def resolve_mesh_info(
         MeshValidationError: the mesh has the wrong number of dims, lacks dim names where they
             are needed, or ``dp_mesh_dims`` names an unknown dim or one dim in both roles.
         ArgumentTypeError: ``mesh`` is not a ``DeviceMesh`` or ``dp_mesh_dims`` is not a
-            ``DataParallelMeshDims``.
+            ``DataParallelMeshDims`` (ours or torch's, which is converted field by field).
 
     Example::
 
@@ -163,6 +187,7 @@ def resolve_mesh_info(
         info.shard_mesh_size, info.replicate_mesh_size  # (4, 2); the "tp" dim is left to DTensor
     """
     check_mesh_argument(mesh, api=api)
+    dp_mesh_dims = cast("DataParallelMeshDims | None", _as_own_dims(dp_mesh_dims))
     _check_dims_argument(dp_mesh_dims, api)
     if dp_mesh_dims is None:
         if mesh.ndim == 1:
