@@ -132,8 +132,9 @@ def _train(engine: str, backend: str, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model_config = spec.model
     model_config.update_from_config(config=config)
-    with torch.device("meta"), titan_utils.set_default_dtype(
-        TORCH_DTYPE_MAP[config.training.dtype]
+    with (
+        torch.device("meta"),
+        titan_utils.set_default_dtype(TORCH_DTYPE_MAP[config.training.dtype]),
     ):
         model = model_config.build()
     loss_fn = config.loss.build(compile_config=config.compile)

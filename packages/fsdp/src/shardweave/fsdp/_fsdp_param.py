@@ -21,8 +21,8 @@ from shardweave.fsdp._fsdp_common import (
 )
 from shardweave.fsdp._fsdp_subclass_gather import detect_subclass_all_gather
 from shardweave.fsdp._param_handler import resolve_param_handler
-from shardweave.fsdp._spmd_types import SpmdTypesHandler, as_storage_param
 from shardweave.fsdp._sharding_rules import padded_shard_size, resolve_dtypes, shard_size
+from shardweave.fsdp._spmd_types import SpmdTypesHandler, as_storage_param
 from shardweave.mesh import FSDPMeshInfo
 
 if TYPE_CHECKING:
@@ -202,14 +202,12 @@ class FSDPParam:
         # naming the package to install (see Design note: handler resolution).
         # A plain parameter annotated by spmd_types (torch 2.14+, torchtitan's default backend)
         # is stored as the DTensor its annotation describes (see _spmd_types).
-        self._spmd_types: SpmdTypesHandler | None = None
         converted = as_storage_param(param, self.mesh_info, self.param_fqn)
         if converted is not None:
             param, info = converted
         self._handler = resolve_param_handler(param, self.mesh_info, self.param_fqn)
         if converted is not None:
-            self._spmd_types = SpmdTypesHandler(self._handler, info)
-            self._handler = self._spmd_types
+            self._handler = SpmdTypesHandler(self._handler, info)
         data = self._handler.local_tensor(param)
         self._template = self._handler.template(param, self.mesh_info)
         if param.ndim == 0:

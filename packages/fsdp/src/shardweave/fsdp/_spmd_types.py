@@ -9,8 +9,10 @@ accepts such parameters (``SPMD_TYPES_PARAMS`` in ``_torch_compat``); we do the 
   data-parallel dims (an annotation there must be ``R``: FSDP owns that gradient reduction) and
   the annotated placement on every other dim (one is required). From there the DTensor kind
   (``shardweave-extensions``) shards it as it does a ``distribute_module`` parameter;
-* compute: the unsharded parameter stays a plain tensor, as the module was written for, and its
-  annotation is restored on it after each unshard while ``spmd_types`` type checking is on;
+* compute: the unsharded parameter stays a plain tensor, as the module was written for. Not
+  done yet: torch also puts the annotation back on it after each unshard and runs its hooks
+  without type checking, which matters only while ``spmd_types`` type checking is on
+  (torchtitan's ``debug.spmd_typechecking``, off by default);
 * gradient: the plain gradient is wrapped in the placements of the backward types (``R`` ->
   ``Partial()``, ``I`` -> ``Replicate()``, ``S(d)`` -> ``Shard(d)``), so the reduce-scatter
   over the data-parallel dims is the pending ``Partial`` reduction, as for a DTensor parameter.
@@ -46,13 +48,10 @@ def _spmd() -> ModuleType | None:
 
 @dataclass(frozen=True)
 class SpmdTypesInfo:
-    """What the conversion keeps: the gradient's placements on the storage mesh, and the
-    annotation to restore on the unsharded parameter."""
+    """What the conversion keeps: the storage mesh and the gradient's placements on it."""
 
     mesh: DeviceMesh
     grad_placements: tuple[Placement, ...]
-    restore_type: dict[Any, Any]
-    partition_spec: object
 
 
 def as_storage_param(
@@ -112,14 +111,7 @@ def as_storage_param(
         )
     placements = tuple(spmd.spmd_type_to_dtensor_placement(types[a]) for _, a in axes)
     grads = tuple(spmd.spmd_type_to_dtensor_placement(types[a].backward_type()) for _, a in axes)
-    current = spmd.current_mesh()
-    restore_axes = tuple(current) if current is not None else tuple(a for _, a in axes)
-    info = SpmdTypesInfo(
-        mesh=mesh,
-        grad_placements=grads,
-        restore_type={a: local_type.get(a, spmd.R) for a in restore_axes},
-        partition_spec=partition_spec,
-    )
+    info = SpmdTypesInfo(mesh=mesh, grad_placements=grads)
     storage = nn.Parameter(
         DTensor.from_local(param.data, mesh, placements, run_check=False),
         requires_grad=param.requires_grad,
@@ -161,16 +153,5 @@ class SpmdTypesHandler:
         return local_unsharded  # the module computes on the plain tensor it was written for
 
     def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
-        dgrad = DTensor.from_local(
-            grad, self.info.mesh, self.info.grad_placements, run_check=False
-        )
+        dgrad = DTensor.from_local(grad, self.info.mesh, self.info.grad_placements, run_check=False)
         return self.inner.reduce_grad(template, dgrad)
-
-    def restore(self, unsharded: torch.Tensor) -> None:
-        """Put the annotation back on the unsharded parameter while type checking is on."""
-        spmd = _spmd()
-        if spmd is None or not spmd.is_type_checking() or not self.info.restore_type:
-            return
-        spmd.assert_type(
-            unsharded, self.info.restore_type, partition_spec=self.info.partition_spec
-        )
