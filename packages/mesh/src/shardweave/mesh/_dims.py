@@ -21,6 +21,7 @@ from shardweave.mesh._mesh_info import (
 __all__ = [
     "ArgumentTypeError",
     "MeshValidationError",
+    "as_own_mesh_info",
     "check_mesh_argument",
     "default_mesh",
     "mesh_device",
@@ -141,6 +142,43 @@ def _as_own_dims(dims: object) -> object:
         return dims
     fields = {f.name: getattr(dims, f.name) for f in dataclasses.fields(dims)}  # type: ignore[arg-type]
     return DataParallelMeshDims(**fields)
+
+
+_OWN_MESH_INFOS: dict[str, type[DataParallelMeshInfo]] = {
+    "HSDPMeshInfo": HSDPMeshInfo,
+    "FSDPMeshInfo": FSDPMeshInfo,
+    "DDPMeshInfo": DDPMeshInfo,
+}
+
+
+def as_own_mesh_info(info: object) -> object:
+    """torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` / ``DDPMeshInfo`` converted to ours, field
+    by field; ours and anything else are returned unchanged (for the caller to check).
+
+    torchtitan's expert-parallel path builds torch's mesh infos (with torch's
+    ``_get_mesh_info``) and hands them to ``fully_shard`` in its ``ShardPlacementResult`` objects; the
+    process groups come from the same mesh, so ours is the same layout. torch's classes are
+    recognized by their module and name (shardweave never imports torch's FSDP engine); a
+    field torch adds later fails here, loudly, instead of being dropped. A fresh object per
+    call: callers that group parameters by mesh-info identity convert each object once.
+
+    Example::
+
+        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+        ours = as_own_mesh_info(_get_mesh_info(mesh, None))
+        assert isinstance(ours, shardweave.mesh.FSDPMeshInfo)
+    """
+    if isinstance(info, DataParallelMeshInfo) or not dataclasses.is_dataclass(info):
+        return info
+    cls = type(info)
+    if not cls.__module__.startswith("torch.distributed.fsdp."):
+        return info
+    own = _OWN_MESH_INFOS.get(cls.__name__)
+    if own is None:
+        return info
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.init}
+    fields["dp_mesh_dims"] = _as_own_dims(fields.get("dp_mesh_dims"))
+    return own(**fields)
 
 
 def _check_dims_argument(dims: object, api: str) -> None:
