@@ -6,8 +6,8 @@ placements, local shards, losses and gradients bitwise equal over a few SGD step
 unsharded parameters plain tensors on both; an annotation other than ``R`` on the
 data-parallel axis is a ``ValueError`` on both.
 
-Skips where ``spmd_types`` is not installed (CI's venv) or torch is older than 2.14 (torch
-2.13 rejects these parameters, and so do we: ``SPMD_TYPES_PARAMS``). ``nox -s compat`` runs it.
+On torch older than 2.14 both engines reject these parameters (``SPMD_TYPES_PARAMS``). Skips
+where ``spmd_types`` is not installed (CI's venv); ``nox -s compat`` runs it.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from tests.fsdp._models import loss_fn, make_batch, make_model
 from tests.fsdp._oracle import assert_same_as_torch
 
 spmd = pytest.importorskip("spmd_types")
-if not SPMD_TYPES_PARAMS:
-    pytest.skip(
-        f"torch {torch.__version__} rejects spmd_types parameters (needs 2.14+)",
-        allow_module_level=True,
-    )
+needs_214 = pytest.mark.skipif(
+    not SPMD_TYPES_PARAMS,
+    reason=f"torch {torch.__version__} rejects spmd_types parameters (accepted from 2.14)",
+)
 
 
 def _annotated(mesh: Any, axis_type: Any) -> nn.Module:
@@ -81,6 +80,13 @@ def annotated_parity(rank: int, world: int) -> None:
         m.reshard()  # type: ignore[operator]
 
 
+def rejected_before_214(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for api in (fully_shard, torch_fully_shard):
+        with pytest.raises(ValueError, match="DTensor"):
+            _shard(api, _annotated(mesh, spmd.R), mesh)
+
+
 def non_replicated_dp_axis(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     for api in (fully_shard, torch_fully_shard):
@@ -88,11 +94,19 @@ def non_replicated_dp_axis(rank: int, world: int) -> None:
             _shard(api, _annotated(mesh, spmd.S(0)), mesh)
 
 
+@needs_214
 def test_annotated_plain_params_match_torch(world2: WorkerPool) -> None:
     """Oracle: compatibility (torch's fully_shard on the same annotated model, bitwise)."""
     world2.run(annotated_parity)
 
 
+@needs_214
 def test_dp_axis_must_be_annotated_r(world2: WorkerPool) -> None:
     """Oracle: compatibility (torch raises ValueError too)."""
     world2.run(non_replicated_dp_axis)
+
+
+@pytest.mark.skipif(SPMD_TYPES_PARAMS, reason="this torch accepts spmd_types parameters")
+def test_older_torch_rejects_them(world2: WorkerPool) -> None:
+    """Oracle: compatibility (torch 2.11-2.13 raise ValueError: parameters must be DTensors)."""
+    world2.run(rejected_before_214)
