@@ -1,13 +1,17 @@
 """torchtitan itself as a client: its ``llama3_debugmodel`` built, parallelized and trained by
 torchtitan's own code (``parallelize_llama`` -> ``apply_fsdp_to_decoder`` -> ``fully_shard``),
 with both of its SPMD backends: ``spmd_types`` (its default: plain parameters annotated by the
-``spmd_types`` package, ``fully_shard(..., dp_mesh_dims=...)``) and ``partial_dtensor``.
+``spmd_types`` package, ``fully_shard(..., dp_mesh_dims=...)``), also with its
+``debug.spmd_typechecking`` on (every forward op type-checked: FSDP must put the annotations
+back on the parameters it unshards), and ``partial_dtensor``.
 
 The loop is torchtitan's ``Trainer`` without its data, tokenizer, checkpointer and metrics (the
 package ships no tokenizer or dataset): the model, optimizer, learning-rate schedule, loss,
 ``set_spmd_backend``, the SPMD context, the global token count and ``dist_utils.clip_grad_norm_``
 all come from torchtitan's config, in the order ``Trainer.__init__`` and ``Trainer.train_step``
-use them; the batches are made here.
+use them, as do the input annotations of the ``spmd_types`` backend
+(``annotate_input_spmd_types``) and backward outside type checking; the batches (one document
+per row, with its positions) are made here.
 
 CPU workarounds, all in this harness (torchtitan's files are not touched):
 
@@ -71,7 +75,8 @@ STEPS = 3
 SEQ_LEN = 32
 LOCAL_BATCH = 2
 IGNORE_INDEX = -100
-BACKENDS = ("spmd_types", "partial_dtensor")
+# "+typecheck": torchtitan's debug.spmd_typechecking, spmd_types checking every forward op
+BACKENDS = ("spmd_types", "spmd_types+typecheck", "partial_dtensor")
 
 
 def _config(backend: str) -> Any:
@@ -101,6 +106,9 @@ def _batch(step: int, rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor
     return inputs, labels
 
 
+_PARALLEL_DIMS: dict[str, Any] = {}
+
+
 def _on_cpu() -> ExitStack:
     """torchtitan's "cuda" fallback device type, pointed at "cpu" where it was imported."""
     import torchtitan.distributed.parallel_dims
@@ -117,16 +125,19 @@ def _on_cpu() -> ExitStack:
     return stack
 
 
-def _run(engine: str, backend: str, rank: int) -> dict[str, Any]:
+def _run(engine: str, variant: str, rank: int) -> dict[str, Any]:
+    backend, _, typecheck = variant.partition("+")
     with _on_cpu():
-        return _train(engine, backend, rank)
+        return _train(engine, backend, rank, typecheck=bool(typecheck))
 
 
-def _train(engine: str, backend: str, rank: int) -> dict[str, Any]:
+def _train(engine: str, backend: str, rank: int, *, typecheck: bool) -> dict[str, Any]:
+    import spmd_types as spmd
     import torchtitan.distributed.fsdp as titan_fsdp
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.tools import utils as titan_utils
 
     import shardweave.fsdp
@@ -134,7 +145,13 @@ def _train(engine: str, backend: str, rank: int) -> dict[str, Any]:
     config = _config(backend)
     spec = config.model_spec
     device = torch.device("cpu")
-    parallel_dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
+    # One ParallelDims (so one set of meshes) per backend and process: torch 2.14's fully_shard
+    # checks an spmd_types parameter's storage mesh by identity, and a second, equal mesh built
+    # later in the same process fails that check (seen with torch 2.14.1)
+    parallel_dims = _PARALLEL_DIMS.get(backend)
+    if parallel_dims is None:
+        parallel_dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
+        _PARALLEL_DIMS[backend] = parallel_dims
     dist_utils.set_spmd_backend(backend)
     torch.manual_seed(0)
     model_config = spec.model
@@ -174,7 +191,7 @@ def _train(engine: str, backend: str, rank: int) -> dict[str, Any]:
     schedulers = config.lr_scheduler.build(
         optimizers=optimizers, training_steps=config.training.steps
     )
-    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
+    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=typecheck)
     batch_mesh = parallel_dims.get_mesh("batch")
     vocab = model_config.vocab_size
     losses, norms = [], []
@@ -183,13 +200,15 @@ def _train(engine: str, backend: str, rank: int) -> dict[str, Any]:
         inputs, labels = _batch(step, rank, vocab)
         local_tokens = (labels != IGNORE_INDEX).sum()
         global_tokens = dist_utils.dist_sum_tensor(local_tokens, batch_mesh)
+        # one document per row: positions restart at 0 on each row, as its dataloader sends
+        extra: dict[str, Any] = {"positions": torch.arange(SEQ_LEN).expand(LOCAL_BATCH, -1)}
+        if backend == "spmd_types":  # the Trainer's post_dataloading_process
+            inputs, labels, extra = annotate_input_spmd_types(parallel_dims, inputs, labels, extra)
         with context():
-            pred = model(inputs)
-            loss, _ = loss_fn(pred, labels, global_tokens)
+            pred = model(inputs, **extra)
+            loss, _ = loss_fn(pred, labels, global_tokens, positions=extra["positions"])
             del pred
-            import spmd_types as spmd
-
-            with spmd.no_typecheck():
+            with spmd.no_typecheck():  # as the Trainer: type checking covers forward only
                 loss.backward()
         norm = dist_utils.clip_grad_norm_(
             list(model.parameters()), config.training.max_norm, foreach=True

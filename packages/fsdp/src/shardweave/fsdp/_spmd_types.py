@@ -9,10 +9,12 @@ accepts such parameters (``SPMD_TYPES_PARAMS`` in ``_torch_compat``); we do the 
   data-parallel dims (an annotation there must be ``R``: FSDP owns that gradient reduction) and
   the annotated placement on every other dim (one is required). From there the DTensor kind
   (``shardweave-extensions``) shards it as it does a ``distribute_module`` parameter;
-* compute: the unsharded parameter stays a plain tensor, as the module was written for. Not
-  done yet: torch also puts the annotation back on it after each unshard and runs its hooks
-  without type checking, which matters only while ``spmd_types`` type checking is on
-  (torchtitan's ``debug.spmd_typechecking``, off by default);
+* compute: the unsharded parameter stays a plain tensor, as the module was written for; while
+  ``spmd_types`` type checking is on (torchtitan's ``debug.spmd_typechecking``) its annotation
+  is put back on it after each unshard (``restore``), on the axes of the mesh current at
+  ``fully_shard`` (else the SPMD mesh's), ``R`` where it had none, and FSDP's own work (the
+  unshard, the reshard, the gradient reduction) runs outside type checking (``no_typecheck``):
+  that work moves shards, not the module's values;
 * gradient: the plain gradient is wrapped in the placements of the backward types (``R`` ->
   ``Partial()``, ``I`` -> ``Replicate()``, ``S(d)`` -> ``Shard(d)``), so the reduce-scatter
   over the data-parallel dims is the pending ``Partial`` reduction, as for a DTensor parameter.
@@ -23,10 +25,13 @@ has been loaded, so the module found in ``sys.modules`` is the one that made it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -38,7 +43,15 @@ from shardweave.fsdp._torch_compat import SPMD_TYPES_PARAMS
 from shardweave.mesh import DataParallelMeshInfo
 from shardweave.mesh.extension_points import ParamHandler
 
-__all__ = ["SpmdTypesHandler", "as_storage_param"]
+__all__ = [
+    "SpmdTypesHandler",
+    "as_storage_param",
+    "no_typecheck",
+    "outside_typecheck",
+    "register_local_function",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _spmd() -> ModuleType | None:
@@ -46,12 +59,59 @@ def _spmd() -> ModuleType | None:
     return sys.modules.get("spmd_types") if SPMD_TYPES_PARAMS else None
 
 
+@contextlib.contextmanager
+def no_typecheck() -> Iterator[None]:
+    """FSDP's own work outside ``spmd_types`` type checking, where this torch converts
+    annotated parameters (torch does the same there); a no-op where ``spmd_types`` is not
+    loaded."""
+    spmd = _spmd()
+    if spmd is None:
+        yield
+        return
+    with spmd.no_typecheck():
+        yield
+
+
+def outside_typecheck(fn: _F) -> _F:
+    """``fn`` (an FSDP hook or step) run under ``no_typecheck``; where ``spmd_types`` is not
+    loaded it costs one dict lookup per call (these run several times per module and step)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        spmd = _spmd()
+        if spmd is None:
+            return fn(*args, **kwargs)
+        with spmd.no_typecheck():
+            return fn(*args, **kwargs)
+
+    return cast("_F", run)
+
+
+_REGISTERED: set[type] = set()
+
+
+def register_local_function(fn_cls: type) -> None:
+    """Tell ``spmd_types`` (once it is loaded) that the autograd function ``fn_cls`` passes
+    its inputs' types through; type checking refuses an unregistered one in forward. torch
+    registers its own at import; we wait for the package, never importing it ourselves."""
+    if fn_cls in _REGISTERED:
+        return
+    spmd = _spmd()
+    if spmd is None:
+        return
+    spmd.register_local_autograd_function(fn_cls)
+    _REGISTERED.add(fn_cls)
+
+
 @dataclass(frozen=True)
 class SpmdTypesInfo:
-    """What the conversion keeps: the storage mesh and the gradient's placements on it."""
+    """What the conversion keeps: the storage mesh and the gradient's placements on it, and
+    the annotation to put back on the unsharded parameter."""
 
     mesh: DeviceMesh
     grad_placements: tuple[Placement, ...]
+    restore_type: dict[Any, Any]
+    partition_spec: object
 
 
 def as_storage_param(
@@ -111,7 +171,16 @@ def as_storage_param(
         )
     placements = tuple(spmd.spmd_type_to_dtensor_placement(types[a]) for _, a in axes)
     grads = tuple(spmd.spmd_type_to_dtensor_placement(types[a].backward_type()) for _, a in axes)
-    info = SpmdTypesInfo(mesh=mesh, grad_placements=grads)
+    # The axes the module computes on: those of the mesh current at fully_shard (torchtitan
+    # sets its dense mesh) or, without one, the storage mesh's; R where not annotated.
+    current = spmd.current_mesh()
+    restore_axes = tuple(current) if current is not None else tuple(a for _, a in axes)
+    info = SpmdTypesInfo(
+        mesh=mesh,
+        grad_placements=grads,
+        restore_type={a: local_type.get(a, spmd.R) for a in restore_axes},
+        partition_spec=partition_spec,
+    )
     storage = nn.Parameter(
         DTensor.from_local(param.data, mesh, placements, run_check=False),
         requires_grad=param.requires_grad,
@@ -155,3 +224,10 @@ class SpmdTypesHandler:
     def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
         dgrad = DTensor.from_local(grad, self.info.mesh, self.info.grad_placements, run_check=False)
         return self.inner.reduce_grad(template, dgrad)
+
+    def restore(self, unsharded: torch.Tensor) -> None:
+        """Put the annotation back on the unsharded parameter while type checking is on."""
+        spmd = _spmd()
+        if spmd is None or not spmd.is_type_checking() or not self.info.restore_type:
+            return
+        spmd.assert_type(unsharded, self.info.restore_type, partition_spec=self.info.partition_spec)
