@@ -145,9 +145,10 @@ def _train(engine: str, backend: str, rank: int, *, typecheck: bool) -> dict[str
     config = _config(backend)
     spec = config.model_spec
     device = torch.device("cpu")
-    # One ParallelDims (so one set of meshes) per backend and process: torch 2.14's fully_shard
-    # checks an spmd_types parameter's storage mesh by identity, and a second, equal mesh built
-    # later in the same process fails that check (seen with torch 2.14.1)
+    # One ParallelDims (so one set of meshes) per backend and process: torch's fully_shard
+    # checks an spmd_types parameter's storage mesh by identity, and with a second, equal mesh
+    # built later in the process DTensor's caches may hand back the first (seen with 2.14.1;
+    # docs/migration.md, "meshes compared by equality, not identity")
     parallel_dims = _PARALLEL_DIMS.get(backend)
     if parallel_dims is None:
         parallel_dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
