@@ -3,7 +3,9 @@ torchtitan's own code (``parallelize_llama`` -> ``apply_fsdp_to_decoder`` -> ``f
 with both of its SPMD backends: ``spmd_types`` (its default: plain parameters annotated by the
 ``spmd_types`` package, ``fully_shard(..., dp_mesh_dims=...)``), also with its
 ``debug.spmd_typechecking`` on (every forward op type-checked: FSDP must put the annotations
-back on the parameters it unshards), and ``partial_dtensor``.
+back on the parameters it unshards), and ``partial_dtensor``; and its ``deepseek_v3`` debug
+model with expert parallelism over both ranks (``partial_dtensor``), where torchtitan hands
+``fully_shard`` torch's own ``ShardPlacementResult`` and mesh infos.
 
 The loop is torchtitan's ``Trainer`` without its data, tokenizer, checkpointer and metrics (the
 package ships no tokenizer or dataset): the model, optimizer, learning-rate schedule, loss,
@@ -79,11 +81,16 @@ IGNORE_INDEX = -100
 BACKENDS = ("spmd_types", "spmd_types+typecheck", "partial_dtensor")
 
 
-def _config(backend: str) -> Any:
+def _config(model: str, backend: str) -> Any:
     from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    config = llama3_debugmodel()
+    if model == "llama3":
+        config = llama3_debugmodel()
+    else:  # expert parallelism over both ranks: its fully_shard gets torch's mesh infos
+        config = deepseek_v3_debugmodel()
+        config.parallelism.expert_parallel_degree = 2
     # flex attention has no CPU backward, and model_registry refuses "sdpa" for language
     # models (it cannot read per-document positions); this loop has one causal document
     # per row, which torch's scaled_dot_product_attention computes on CPU
@@ -126,12 +133,15 @@ def _on_cpu() -> ExitStack:
 
 
 def _run(engine: str, variant: str, rank: int) -> dict[str, Any]:
-    backend, _, typecheck = variant.partition("+")
+    model, _, rest = variant.partition(":")
+    backend, _, typecheck = rest.partition("+")
     with _on_cpu():
-        return _train(engine, backend, rank, typecheck=bool(typecheck))
+        return _train(engine, model, backend, rank, typecheck=bool(typecheck))
 
 
-def _train(engine: str, backend: str, rank: int, *, typecheck: bool) -> dict[str, Any]:
+def _train(
+    engine: str, model_name: str, backend: str, rank: int, *, typecheck: bool
+) -> dict[str, Any]:
     import spmd_types as spmd
     import torchtitan.distributed.fsdp as titan_fsdp
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -142,17 +152,18 @@ def _train(engine: str, backend: str, rank: int, *, typecheck: bool) -> dict[str
 
     import shardweave.fsdp
 
-    config = _config(backend)
+    config = _config(model_name, backend)
     spec = config.model_spec
     device = torch.device("cpu")
     # One ParallelDims (so one set of meshes) per backend and process: torch's fully_shard
     # checks an spmd_types parameter's storage mesh by identity, and with a second, equal mesh
     # built later in the process DTensor's caches may hand back the first (seen with 2.14.1;
     # docs/migration.md, "meshes compared by equality, not identity")
-    parallel_dims = _PARALLEL_DIMS.get(backend)
+    key = f"{model_name}:{backend}"
+    parallel_dims = _PARALLEL_DIMS.get(key)
     if parallel_dims is None:
         parallel_dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
-        _PARALLEL_DIMS[backend] = parallel_dims
+        _PARALLEL_DIMS[key] = parallel_dims
     dist_utils.set_spmd_backend(backend)
     torch.manual_seed(0)
     model_config = spec.model
@@ -212,7 +223,11 @@ def _train(engine: str, backend: str, rank: int, *, typecheck: bool) -> dict[str
             with spmd.no_typecheck():  # as the Trainer: type checking covers forward only
                 loss.backward()
         norm = dist_utils.clip_grad_norm_(
-            list(model.parameters()), config.training.max_norm, foreach=True
+            list(model.parameters()),
+            config.training.max_norm,
+            foreach=True,
+            pp_mesh=parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=parallel_dims.ep_enabled,
         )
         optimizers.step()
         schedulers.step()
@@ -221,20 +236,29 @@ def _train(engine: str, backend: str, rank: int, *, typecheck: bool) -> dict[str
     return {"losses": losses, "norms": norms, "params": local_params(model), "switched": switched}
 
 
-def titan_parity(rank: int, world: int, backend: str) -> list[float]:
-    theirs = _run("torch", backend, rank)
+def titan_parity(rank: int, world: int, variant: str) -> list[float]:
+    theirs = _run("torch", variant, rank)
     with no_torch_engine():
-        ours = _run("shardweave", backend, rank)
+        ours = _run("shardweave", variant, rank)
     assert theirs["switched"] > 0, theirs["switched"]
     assert ours["switched"] == theirs["switched"], (ours["switched"], theirs["switched"])
     assert ours["losses"] == theirs["losses"], (rank, ours["losses"], theirs["losses"])
     assert ours["norms"] == theirs["norms"], (rank, ours["norms"], theirs["norms"])
-    assert_same_tensors(ours["params"], theirs["params"], f"rank {rank} {backend}")
+    assert_same_tensors(ours["params"], theirs["params"], f"rank {rank} {variant}")
     return ours["norms"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torchtitan_llama3_debugmodel(world2: WorkerPool, backend: str) -> None:
     """Oracle: compatibility (torchtitan's own loop on torch's fully_shard, bitwise)."""
-    norms = world2.run(titan_parity, backend, timeout=600)
+    norms = world2.run(titan_parity, f"llama3:{backend}", timeout=600)
     assert norms[0] == norms[1], norms  # the norm is global: every rank sees the same
+
+
+def test_torchtitan_deepseek_v3_expert_parallel(world2: WorkerPool) -> None:
+    """Oracle: compatibility. deepseek_v3's debug model with expert parallelism over both ranks
+    (``partial_dtensor``): torchtitan builds torch's mesh infos with torch's ``_get_mesh_info``
+    and returns torch's ``ShardPlacementResult`` from ``shard_placement_fn``; bitwise equal.
+    (Its ``spmd_types`` backend dispatches tokens with uneven all-to-alls, which gloo lacks.)"""
+    norms = world2.run(titan_parity, "deepseek_v3_ep2:partial_dtensor", timeout=600)
+    assert norms[0] == norms[1], norms
