@@ -52,3 +52,12 @@ def test_state_exposes_one_group_before_2_13() -> None:
     """torch 2.11 and 2.12's PipelineStage reads ``state._fsdp_param_group``; 2.13 does not."""
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     assert _torch_compat.STATE_EXPOSES_ONE_GROUP is ((major, minor) < (2, 13))
+
+
+def test_spmd_types_params_where_torch_converts_them() -> None:
+    """``SPMD_TYPES_PARAMS`` holds exactly where torch's own FSDPParam converts plain parameters
+    annotated by spmd_types (torch 2.14 added it; 2.13 raises for them)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam as TorchFSDPParam
+
+    torch_converts = hasattr(TorchFSDPParam, "_resolve_spmd_types_for_storage")
+    assert _torch_compat.SPMD_TYPES_PARAMS is torch_converts

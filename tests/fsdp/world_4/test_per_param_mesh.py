@@ -55,7 +55,7 @@ def _build(api: Callable[..., Any], placement_fn: Callable[[nn.Parameter], Any])
     return model
 
 
-def per_param_mesh(rank: int, world: int) -> None:
+def per_param_mesh(rank: int, world: int, torch_objects: bool = False) -> None:
     # Experts are sharded 2-way inside each half of the ranks (an expert-parallel FSDP mesh);
     # everything else 4-way over the default mesh.
     ep_mesh: DeviceMesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))
@@ -68,7 +68,10 @@ def per_param_mesh(rank: int, world: int) -> None:
     def torch_fn(p: nn.Parameter) -> Any:
         return TorchResult(Shard(1), torch_info) if p.ndim == 3 else None
 
-    model, tmodel = _build(fully_shard, ours_fn), _build(torch_fully_shard, torch_fn)
+    # torch_objects: our fully_shard is handed torch's ShardPlacementResult and FSDPMeshInfo
+    # (torchtitan's expert parallelism does this), and converts them to its own
+    model = _build(fully_shard, torch_fn if torch_objects else ours_fn)
+    tmodel = _build(torch_fully_shard, torch_fn)
     state = get_fsdp_state(model[0])
     assert state is not None and len(state._fsdp_param_groups) == 2, state
     experts = model[0].experts
@@ -94,3 +97,10 @@ def per_param_mesh(rank: int, world: int) -> None:
 def test_experts_on_their_own_mesh_match_torch(world4: WorkerPool) -> None:
     """Oracle: compatibility (torch's fully_shard with the same ShardPlacementResult meshes)."""
     world4.run(per_param_mesh)
+
+
+def test_torch_placement_results_are_accepted(world4: WorkerPool) -> None:
+    """Oracle: compatibility. torch's own ``ShardPlacementResult`` and ``FSDPMeshInfo`` (as
+    torchtitan's expert parallelism passes them) given to our fully_shard: converted field by
+    field, one group per mesh, the same as torch's fully_shard with them."""
+    world4.run(per_param_mesh, True)

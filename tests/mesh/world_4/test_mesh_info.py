@@ -29,6 +29,7 @@ from shardweave.mesh import (
     DDPMeshInfo,
     FSDPMeshInfo,
     HSDPMeshInfo,
+    as_own_mesh_info,
     resolve_mesh_info,
 )
 from tests._dist import WorkerPool
@@ -156,6 +157,29 @@ def _dp_mesh_dims_hsdp_2x2_with_tp(rank: int, world_size: int) -> None:
     assert dist.get_process_group_ranks(info.replicate_process_group) == [rank % 2, rank % 2 + 2]
 
 
+def _torch_objects_converted(rank: int, world_size: int) -> None:
+    # torchtitan passes torch's DataParallelMeshDims to fully_shard, and torch's mesh infos
+    # (from _get_mesh_info) in its ShardPlacementResults: both become ours, the same layout
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    for dims in (
+        DataParallelMeshDims(shard="dp_shard"),
+        DataParallelMeshDims(replicate="dp_replicate"),
+        DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"),
+    ):
+        theirs = _get_mesh_info(mesh, _torch_dims(dims))
+        ours = resolve_mesh_info(mesh, _torch_dims(dims))  # type: ignore[arg-type]
+        assert _summary(ours) == _summary(theirs) and ours.dp_mesh_dims == dims, dims
+        converted = as_own_mesh_info(theirs)
+        assert isinstance(converted, DataParallelMeshInfo), type(converted)
+        assert type(converted).__name__ == type(theirs).__name__
+        assert _summary(converted) == _summary(theirs) and converted.dp_mesh_dims == dims
+        assert converted.spmd_mesh is theirs.spmd_mesh
+        assert as_own_mesh_info(converted) is converted
+    plain = _get_mesh_info(init_device_mesh("cpu", (world_size,)), None)
+    assert type(as_own_mesh_info(plain)) is FSDPMeshInfo
+    assert as_own_mesh_info("not a mesh info") == "not a mesh info"
+
+
 def _dp_mesh_dims_flatten(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("a", "b", "tp"))
     info = resolve_mesh_info(mesh, DataParallelMeshDims(shard=("a", "b")))
@@ -226,3 +250,9 @@ def test_dp_mesh_dims_flattens_several_names(world4: WorkerPool) -> None:
 
 def test_dp_mesh_dims_errors_name_the_dim(world4: WorkerPool) -> None:
     world4.run(_dp_mesh_dims_errors)
+
+
+def test_torch_dims_and_mesh_infos_become_ours(world4: WorkerPool) -> None:
+    """Compatibility: torch's DataParallelMeshDims given to resolve_mesh_info, and torch's mesh
+    infos given to as_own_mesh_info, give what torch's _get_mesh_info gives, in our classes."""
+    world4.run(_torch_objects_converted)

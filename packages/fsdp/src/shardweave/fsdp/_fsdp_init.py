@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from shardweave.fsdp._fsdp_common import ShardPlacementResult
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
 from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
 from shardweave.fsdp._torch_interop import expose_state_to_torch, torch_marker_bases
-from shardweave.mesh import DataParallelMeshInfo, FSDPMeshInfo, HSDPMeshInfo
+from shardweave.mesh import DataParallelMeshInfo, FSDPMeshInfo, HSDPMeshInfo, as_own_mesh_info
 
 __all__ = [
     "attach_engine",
@@ -312,8 +312,17 @@ def resolve_shard_placements(
 ) -> list[tuple[Shard | None, FSDPMeshInfo]]:
     """Each parameter's shard placement and mesh (``shard_placement_fn`` may pick both)."""
     resolved: list[tuple[Shard | None, FSDPMeshInfo]] = []
+    # torch's mesh infos (torchtitan's expert parallelism returns them), each converted once so
+    # that the parameters sharing one still share one group
+    converted: dict[int, tuple[object, object]] = {}
     for param in params:
         result = None if shard_placement_fn is None else shard_placement_fn(param)
+        if _is_torch_placement_result(result):
+            torch_info = cast(Any, result).mesh_info
+            if id(torch_info) not in converted:
+                converted[id(torch_info)] = (torch_info, as_own_mesh_info(torch_info))
+            own = cast(FSDPMeshInfo, converted[id(torch_info)][1])
+            result = ShardPlacementResult(cast(Any, result).placement, own)
         if result is None:
             resolved.append((None, mesh_info))
         elif isinstance(result, Shard):
@@ -328,6 +337,15 @@ def resolve_shard_placements(
                 "whole on every rank, list it in ignored_params or use replicate())"
             )
     return resolved
+
+
+def _is_torch_placement_result(result: object) -> bool:
+    """Whether ``result`` is torch's ``ShardPlacementResult`` (recognized by module and name:
+    shardweave never imports torch's FSDP engine)."""
+    cls = type(result)
+    return cls.__name__ == "ShardPlacementResult" and cls.__module__.startswith(
+        "torch.distributed.fsdp."
+    )
 
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}

@@ -22,6 +22,7 @@ from shardweave.fsdp._fsdp_common import (
 from shardweave.fsdp._fsdp_subclass_gather import detect_subclass_all_gather
 from shardweave.fsdp._param_handler import resolve_param_handler
 from shardweave.fsdp._sharding_rules import padded_shard_size, resolve_dtypes, shard_size
+from shardweave.fsdp._spmd_types import SpmdTypesHandler, as_storage_param
 from shardweave.mesh import FSDPMeshInfo
 
 if TYPE_CHECKING:
@@ -199,7 +200,15 @@ class FSDPParam:
         # FSDP shards the handler's local tensor; the handler says how the result is placed
         # and rebuilt. A DTensor parameter without its plugin raises MissingExtensionError
         # naming the package to install (see Design note: handler resolution).
+        # A plain parameter annotated by spmd_types (torch 2.14+, torchtitan's default backend)
+        # is stored as the DTensor its annotation describes (see _spmd_types).
+        self._spmd_types: SpmdTypesHandler | None = None
+        converted = as_storage_param(param, self.mesh_info, self.param_fqn)
+        if converted is not None:
+            param, info = converted
         self._handler = resolve_param_handler(param, self.mesh_info, self.param_fqn)
+        if converted is not None:
+            self._handler = self._spmd_types = SpmdTypesHandler(self._handler, info)
         data = self._handler.local_tensor(param)
         self._template = self._handler.template(param, self.mesh_info)
         if param.ndim == 0:
@@ -536,6 +545,12 @@ class FSDPParam:
             self.orig_size, contiguous_strides(self.orig_size), out.storage_offset()
         )
         return self._handler.unsharded(self._template, unsharded)
+
+    def restore_spmd_types(self) -> None:
+        """An annotated parameter's ``spmd_types`` annotation back on its unsharded parameter
+        (only while type checking is on; see _spmd_types)."""
+        if self._spmd_types is not None and self._unsharded_param is not None:
+            self._spmd_types.restore(self._unsharded_param)
 
     @property
     def unsharded_param(self) -> nn.Parameter:

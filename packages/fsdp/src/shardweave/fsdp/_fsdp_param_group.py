@@ -58,6 +58,7 @@ from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
 from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
 from shardweave.fsdp._seam import InFlight, issue
+from shardweave.fsdp._spmd_types import outside_typecheck, register_local_function
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
@@ -422,6 +423,7 @@ class FSDPParamGroup:
             )
 
     # --- unshard / reshard --------------------------------------------------------------------
+    @outside_typecheck
     def unshard(self, async_op: bool = False) -> None:
         """Issue this group's all-gather (no-op if unsharded or already in flight).
 
@@ -528,6 +530,7 @@ class FSDPParamGroup:
         current = streams.current()
         return current, current
 
+    @outside_typecheck
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather: copy out and register the unsharded parameters."""
         result = self._all_gather_result
@@ -574,6 +577,7 @@ class FSDPParamGroup:
         if _trace.ACTIVE is not None:
             _trace.ACTIVE.unshard_end(self.trace_key)
 
+    @outside_typecheck
     def reshard(self) -> None:
         if self._training_state == TrainingState.FORWARD:
             if self.post_forward_mesh_info is None:
@@ -612,8 +616,10 @@ class FSDPParamGroup:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         entering = self._training_state != TrainingState.FORWARD
         self._training_state = TrainingState.FORWARD
-        self.unshard(self.unshard_async_op)
+        self.unshard(self.unshard_async_op)  # outside spmd_types type checking (_spmd_types)
         self.wait_for_unshard()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.restore_spmd_types()
         if entering:
             args, kwargs = self._register_post_backward_hook(args, kwargs)
         return args, kwargs
@@ -637,6 +643,7 @@ class FSDPParamGroup:
         if default_prefetch:
             self._backward_prefetch()
 
+    @outside_typecheck
     def post_backward(self) -> None:
         """Reshard and reduce this group's gradients (idempotent for unused groups)."""
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
@@ -780,6 +787,7 @@ class FSDPParamGroup:
         elif index > 0:
             order[index - 1].prefetch_unshard(TrainingState.PRE_BACKWARD)
 
+    @outside_typecheck
     def prefetch_unshard(self, training_state: TrainingState) -> None:
         """Unshard in ``training_state`` (which decides the streams), then restore the state.
         Inline rather than a context manager: it runs for every group in every step."""
@@ -798,6 +806,7 @@ class FSDPParamGroup:
         inputs = collect_grad_tensors((args, kwargs))
         if not inputs:
             return args, kwargs
+        register_local_function(RegisterPostBackwardFunction)  # it passes inputs through
         outputs = RegisterPostBackwardFunction.apply(self, *inputs)  # type: ignore[no-untyped-call]
         new_args, new_kwargs = replace_grad_tensors((args, kwargs), iter(outputs))
         return new_args, new_kwargs

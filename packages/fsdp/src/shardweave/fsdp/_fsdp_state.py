@@ -25,6 +25,7 @@ from shardweave.fsdp._fsdp_common import (
     run_eagerly,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
+from shardweave.fsdp._spmd_types import outside_typecheck
 from shardweave.fsdp._torch_compat import STATE_EXPOSES_ONE_GROUP
 
 if TYPE_CHECKING:
@@ -379,6 +380,7 @@ class FSDPState:
                     group.prefetch_unshard(TrainingState.FORWARD)
         return args, kwargs
 
+    @outside_typecheck
     def _root_pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -402,6 +404,7 @@ class FSDPState:
             args, kwargs = inputs_to_device(args, kwargs, self._device)
         return args, kwargs
 
+    @outside_typecheck
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
             return _trace.ACTIVE.time_hook(
@@ -463,6 +466,7 @@ class FSDPState:
                 )
             tensor.register_hook(self._pre_backward_hook)  # type: ignore[no-untyped-call]
 
+    @outside_typecheck
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
             return _trace.ACTIVE.time_hook(
@@ -505,6 +509,7 @@ class FSDPState:
         finally:
             self._state_ctx.reductions_callback_queued = False
 
+    @outside_typecheck
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._state_ctx
         try:

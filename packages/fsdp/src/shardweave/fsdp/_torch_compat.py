@@ -22,6 +22,12 @@ Rules:
   longer in ``param_dtype``; a group whose gradients differ in dtype reduces in their promoted
   dtype.
 
+* ``SPMD_TYPES_PARAMS`` (torch 2.14): with ``dp_mesh_dims``, a plain parameter annotated by the
+  ``spmd_types`` package is accepted (stored as a DTensor on the SPMD mesh, computed on as a
+  plain tensor) instead of rejected for not being a DTensor; torchtitan 0.3.0's default
+  ``spmd_types`` backend relies on it. torch 2.13 and older raise, and so do we there
+  (``_spmd_types``).
+
 Tested in ``tests/fsdp/world_1/test_torch_compat.py`` with either name hidden.
 """
 
@@ -34,6 +40,7 @@ import torch.distributed as dist
 
 __all__ = [
     "REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE",
+    "SPMD_TYPES_PARAMS",
     "STATE_EXPOSES_ONE_GROUP",
     "TORCH_RELEASE",
     "all_gather_single",
@@ -55,6 +62,9 @@ STATE_EXPOSES_ONE_GROUP: bool = TORCH_RELEASE < (2, 13)
 
 # torch 2.15: ``reduce_dtype=None`` reduces in the gradient's dtype, not in ``param_dtype``.
 REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE: bool = TORCH_RELEASE >= (2, 15)
+
+# torch 2.14: dp_mesh_dims accepts plain parameters annotated by spmd_types (torchtitan's default).
+SPMD_TYPES_PARAMS: bool = TORCH_RELEASE >= (2, 14)
 
 
 def all_gather_single(

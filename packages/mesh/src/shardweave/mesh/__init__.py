@@ -7,6 +7,7 @@ extension points; plugins (``shardweave-extensions``, or your own package) imple
 from shardweave.mesh._dims import (
     ArgumentTypeError,
     MeshValidationError,
+    as_own_mesh_info,
     check_mesh_argument,
     default_mesh,
     mesh_device,
@@ -40,6 +41,7 @@ __all__ = [
     "MissingExtensionError",
     "RegistrySnapshot",
     "__version__",
+    "as_own_mesh_info",
     "check_mesh_argument",
     "default_mesh",
     "mesh_device",

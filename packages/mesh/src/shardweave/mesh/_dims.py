@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -17,6 +21,7 @@ from shardweave.mesh._mesh_info import (
 __all__ = [
     "ArgumentTypeError",
     "MeshValidationError",
+    "as_own_mesh_info",
     "check_mesh_argument",
     "default_mesh",
     "mesh_device",
@@ -119,6 +124,63 @@ def check_mesh_argument(mesh: object, *, api: str) -> None:
     )
 
 
+def _torch_dims_type() -> type | None:
+    """torch's ``DataParallelMeshDims`` (torch.distributed.fsdp, torch 2.13+) when that package
+    is loaded and has it, else None: then no object can be one, and shardweave never loads
+    torch's FSDP package itself."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    found = getattr(module, "DataParallelMeshDims", None)
+    return found if isinstance(found, type) else None
+
+
+def _as_own_dims(dims: object) -> object:
+    """torch's ``DataParallelMeshDims`` converted to ours, field by field (torchtitan passes
+    torch's); anything else is returned unchanged for ``_check_dims_argument``. A field torch
+    adds later fails here, loudly, instead of being dropped."""
+    torch_dims = _torch_dims_type()
+    if torch_dims is None or not isinstance(dims, torch_dims):
+        return dims
+    fields = {f.name: getattr(dims, f.name) for f in dataclasses.fields(dims)}  # type: ignore[arg-type]
+    return DataParallelMeshDims(**fields)
+
+
+_OWN_MESH_INFOS: dict[str, type[DataParallelMeshInfo]] = {
+    "HSDPMeshInfo": HSDPMeshInfo,
+    "FSDPMeshInfo": FSDPMeshInfo,
+    "DDPMeshInfo": DDPMeshInfo,
+}
+
+
+def as_own_mesh_info(info: object) -> object:
+    """torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` / ``DDPMeshInfo`` converted to ours, field
+    by field; ours and anything else are returned unchanged (for the caller to check).
+
+    torchtitan's expert-parallel path builds torch's mesh infos (with torch's
+    ``_get_mesh_info``) and hands them to ``fully_shard`` in its ``ShardPlacementResult`` objects; the
+    process groups come from the same mesh, so ours is the same layout. torch's classes are
+    recognized by their module and name (shardweave never imports torch's FSDP engine); a
+    field torch adds later fails here, loudly, instead of being dropped. A fresh object per
+    call: callers that group parameters by mesh-info identity convert each object once.
+
+    Example::
+
+        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+        ours = as_own_mesh_info(_get_mesh_info(mesh, None))
+        assert isinstance(ours, shardweave.mesh.FSDPMeshInfo)
+    """
+    if isinstance(info, DataParallelMeshInfo) or not dataclasses.is_dataclass(info):
+        return info
+    cls = type(info)
+    if not cls.__module__.startswith("torch.distributed.fsdp."):
+        return info
+    own = _OWN_MESH_INFOS.get(cls.__name__)
+    if own is None:
+        return info
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.init}
+    fields["dp_mesh_dims"] = _as_own_dims(fields.get("dp_mesh_dims"))
+    return own(**fields)
+
+
 def _check_dims_argument(dims: object, api: str) -> None:
     if dims is None or isinstance(dims, DataParallelMeshDims):
         return
@@ -152,7 +214,7 @@ def resolve_mesh_info(
         MeshValidationError: the mesh has the wrong number of dims, lacks dim names where they
             are needed, or ``dp_mesh_dims`` names an unknown dim or one dim in both roles.
         ArgumentTypeError: ``mesh`` is not a ``DeviceMesh`` or ``dp_mesh_dims`` is not a
-            ``DataParallelMeshDims``.
+            ``DataParallelMeshDims`` (ours or torch's, which is converted field by field).
 
     Example::
 
@@ -163,6 +225,7 @@ def resolve_mesh_info(
         info.shard_mesh_size, info.replicate_mesh_size  # (4, 2); the "tp" dim is left to DTensor
     """
     check_mesh_argument(mesh, api=api)
+    dp_mesh_dims = cast("DataParallelMeshDims | None", _as_own_dims(dp_mesh_dims))
     _check_dims_argument(dp_mesh_dims, api)
     if dp_mesh_dims is None:
         if mesh.ndim == 1:
