@@ -30,7 +30,9 @@ Design note: traced quantities
       where no collective runs). They become live when the unshard's copy-in is done (the
       output buffer is allocated right after, before the collective is issued) and are freed
       when the group reshards (to sharded, or to its post-forward shards, which are not
-      counted) or when an unconsumed prefetch is discarded. The transient second copy while
+      counted) or when an unconsumed prefetch is discarded. A group that keeps its unsharded
+      storage (``set_keep_unsharded_storage(True)``) frees nothing at reshard: its gathered
+      bytes stay alive from its first unshard on, and later unshards add nothing. The transient second copy while
       copy-out splits the buffer into the parameters is not counted. *Gathered bytes alive* is
       the sum over groups.
     - *Unsharded gradient bytes*: ``sum(numel * element_size)`` of the unsharded gradients a
@@ -297,6 +299,10 @@ class TraceRecorder:
             self.spans.append(
                 SpanRecord("copy_in", "copy_in", key, self._step, pending.begin_ns, now)
             )
+        if key in self._live:
+            # Kept unsharded storage (set_keep_unsharded_storage): refilled in place, its
+            # bytes never stopped being alive.
+            return
         self._change(now, key, "unshard", world * _nbytes(all_gather_input))
 
     def collective_issue(
@@ -340,7 +346,11 @@ class TraceRecorder:
             )
         self.spans.append(SpanRecord("unshard", "unshard", key, self._step, pending.begin_ns, now))
 
-    def reshard(self, key: str) -> None:
+    def reshard(self, key: str, kept: bool = False) -> None:
+        """The group resharded; with ``kept`` its unsharded storage stays allocated, so its
+        gathered bytes stay alive (until a reshard without it)."""
+        if kept:
+            return
         self._change(self.now(), key, "reshard", -self._live.get(key, 0))
 
     def discard_unshard(self, key: str) -> None:
