@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from shardweave.fsdp import FSDPModule, fully_shard
+from shardweave.fsdp import FSDPModule, fully_shard, trace
 from shardweave.fsdp._torch_interop import unimplemented_torch_methods
 from tests._dist import WorkerPool
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
@@ -160,6 +160,40 @@ def recurse_false_case(rank: int, world: int) -> None:
     assert all(n == 0 for n in _storage_bytes(model)), _storage_bytes(model)
 
 
+def traced_case(rank: int, world: int) -> list[dict[str, Any]]:
+    """Two traced steps of TinyGPT per setting: the tracer's summary of each."""
+    out = []
+    for keep in (False, True):
+        model = make_model("gpt")
+        wrap_scenario(model, {}, world)
+        model.set_keep_unsharded_storage(keep)  # type: ignore[operator]
+        with trace() as tracer:
+            for step in range(2):
+                batch = make_batch("gpt", 1000 * step + rank)
+                loss_fn("gpt", model(batch), batch).backward()
+                tracer.step()
+        out.append(tracer.summary())
+    default, kept = out
+    for step in range(2):
+        d, k = default["steps"][step], kept["steps"][step]
+        assert d["end_gathered_bytes"] == 0, d
+        # Every group's gathered bytes stay alive once gathered: the end of each step holds
+        # all of them, which is also the peak.
+        every = sum(g["peak_gathered_bytes"] for g in d["groups"].values())
+        assert k["end_gathered_bytes"] == every == k["peak_gathered_bytes"], (
+            step,
+            every,
+            k["end_gathered_bytes"],
+            k["peak_gathered_bytes"],
+        )
+        for key, g in d["groups"].items():
+            assert (k["groups"][key]["unshard"], k["groups"][key]["reshard"]) == (
+                g["unshard"],
+                g["reshard"],
+            ), key
+    return out
+
+
 def ours_and_bad_flag_case(rank: int, world: int) -> None:
     model = make_model("gpt")
     shard_blocks(model, fully_shard)
@@ -186,6 +220,12 @@ def test_default_frees_unsharded_storage(world2: WorkerPool) -> None:
 def test_recurse_false_touches_only_that_module(world2: WorkerPool) -> None:
     """Closed form: only the modules set keep; keep=False frees at the next reshard."""
     world2.run(recurse_false_case)
+
+
+def test_tracer_keeps_kept_bytes_alive(world2: WorkerPool) -> None:
+    """Closed form: with keep, each step ends (and peaks) with every group's gathered bytes;
+    the unshard and reshard counts are the default's."""
+    world2.run(traced_case)
 
 
 def test_keep_is_ours_and_requires_a_bool(world2: WorkerPool) -> None:

@@ -299,11 +299,10 @@ class TraceRecorder:
             self.spans.append(
                 SpanRecord("copy_in", "copy_in", key, self._step, pending.begin_ns, now)
             )
-        if key in self._live:
-            # Kept unsharded storage (set_keep_unsharded_storage): refilled in place, its
-            # bytes never stopped being alive.
-            return
-        self._change(now, key, "unshard", world * _nbytes(all_gather_input))
+        # Kept unsharded storage (set_keep_unsharded_storage) is refilled in place: its bytes
+        # never stopped being alive, so the unshard is recorded with no change.
+        nbytes = 0 if key in self._live else world * _nbytes(all_gather_input)
+        self._change(now, key, "unshard", nbytes)
 
     def collective_issue(
         self, kind: CollectiveKind, key: str, tensor: torch.Tensor, pg: dist.ProcessGroup
@@ -349,9 +348,7 @@ class TraceRecorder:
     def reshard(self, key: str, kept: bool = False) -> None:
         """The group resharded; with ``kept`` its unsharded storage stays allocated, so its
         gathered bytes stay alive (until a reshard without it)."""
-        if kept:
-            return
-        self._change(self.now(), key, "reshard", -self._live.get(key, 0))
+        self._change(self.now(), key, "reshard", 0 if kept else -self._live.get(key, 0))
 
     def discard_unshard(self, key: str) -> None:
         """An issued all-gather dropped without copy-out (an unconsumed prefetch, a reset)."""
@@ -400,7 +397,7 @@ class TraceRecorder:
             self._gathered += delta
             if delta > 0:
                 self._live[key] = delta
-            else:
+            elif delta < 0:
                 self._live.pop(key, None)
         else:
             self._grads += delta
