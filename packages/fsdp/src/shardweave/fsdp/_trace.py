@@ -32,9 +32,9 @@ Design note: traced quantities
       when the group reshards (to sharded, or to its post-forward shards, which are not
       counted) or when an unconsumed prefetch is discarded. A group that keeps its unsharded
       storage (``set_keep_unsharded_storage(True)``) frees nothing at reshard: its gathered
-      bytes stay alive from its first unshard on, and later unshards add nothing. The transient second copy while
-      copy-out splits the buffer into the parameters is not counted. *Gathered bytes alive* is
-      the sum over groups.
+      bytes stay alive from its first unshard on, and later unshards add nothing. The
+      transient second copy while copy-out splits the buffer into the parameters is not
+      counted. *Gathered bytes alive* is the sum over groups.
     - *Unsharded gradient bytes*: ``sum(numel * element_size)`` of the unsharded gradients a
       group's post-backward takes for reduction; live from the moment they are taken until
       they have been copied into the reduce-scatter input. Gradients accumulated unreduced
