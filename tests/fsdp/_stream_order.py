@@ -155,6 +155,9 @@ def wrap_scenario(model: nn.Module, cfg: dict[str, Any], world: int, engine: str
         model.set_implicit_forward_prefetch()  # type: ignore[operator]
     if cfg.get("checkpoint"):
         model.checkpoint = True  # type: ignore[assignment]
+    if cfg.get("keep_unsharded_storage") and hasattr(model, "set_keep_unsharded_storage"):
+        # torch's engine has it from 2.15 on; keeping the storage changes no number.
+        model.set_keep_unsharded_storage(True)
     if cfg.get("force_sum"):
         model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     if "max_rs_buffers" in cfg:

@@ -130,6 +130,14 @@ class FSDPParam:
         re-allocates and refills it in place, so the parameter object, the autograd graph's
         references to it and any user reference stay valid across iterations.
 
+        ``keep_unsharded_storage`` (``FSDPModule.set_keep_unsharded_storage``) skips the free:
+        the storage stays allocated while sharded (or post-forward sharded), so every unshard
+        refills the same bytes at the same address (what CUDA graph capture needs), at the
+        cost of holding the unsharded parameters between uses. Only the copy-out writes that
+        storage, on the compute stream, which already ran every earlier reader of it (forward
+        and backward ops, the post-forward clone): no wait is added for it (see Design note:
+        stream ordering, ``_fsdp_streams``, the kept unsharded storage row).
+
     Design note: tied after fully_shard
         A framework may tie a weight *after* sharding (transformers builds untied, shards, loads,
         then sets ``lm_head.weight = embed_tokens.weight``): the module of this parameter then
@@ -190,6 +198,8 @@ class FSDPParam:
         self._all_gather = _FLAT_ALL_GATHER
         self._aliases_shard = False  # see alias_sharded_storage
         self._storage_owner: FSDPParam | None = None  # see Design note: tied after fully_shard
+        # See Design note: storage resize. torch's name; set per group by the module's setter.
+        self.keep_unsharded_storage = False
         if not hasattr(param, _UID_ATTR):
             setattr(param, _UID_ATTR, next(_uids))
         self.orig_param_uid: int = getattr(param, _UID_ATTR)
@@ -577,11 +587,12 @@ class FSDPParam:
     def to_sharded(self) -> None:
         self._setattr_on_modules(self.sharded_param)
         self._free_post_forward_data()
-        if not self._aliases_shard:
-            out: torch.Tensor | None = getattr(self, "all_gather_output", None)
-            if out is not None:
-                free_storage(out)
-        self._all_gather.free()
+        if not self.keep_unsharded_storage:  # see Design note: storage resize
+            if not self._aliases_shard:
+                out: torch.Tensor | None = getattr(self, "all_gather_output", None)
+                if out is not None:
+                    free_storage(out)
+            self._all_gather.free()
         self.sharded_state = ShardedState.SHARDED
 
     def to_sharded_post_forward(self) -> None:
@@ -623,7 +634,8 @@ class FSDPParam:
             _dtensor(local, spec), requires_grad=self.sharded_param.requires_grad
         )
         self._setattr_on_modules(self._sharded_post_forward_param)
-        free_storage(self.all_gather_output)
+        if not self.keep_unsharded_storage:  # see Design note: storage resize
+            free_storage(self.all_gather_output)
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _sharded_post_forward_local(self) -> torch.Tensor:

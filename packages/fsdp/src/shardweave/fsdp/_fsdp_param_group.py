@@ -593,7 +593,7 @@ class FSDPParamGroup:
                 p.to_sharded()
             self._sharded_state = ShardedState.SHARDED
             if _trace.ACTIVE is not None:
-                _trace.ACTIVE.reshard(self.trace_key)
+                _trace.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
 
     def _to_sharded_post_forward(self) -> None:
         if self._sharded_state == ShardedState.UNSHARDED:
@@ -604,7 +604,18 @@ class FSDPParamGroup:
             self._reshard_after_forward_event = streams.current().record_event()
             self._sharded_state = ShardedState.SHARDED_POST_FORWARD
             if _trace.ACTIVE is not None:
-                _trace.ACTIVE.reshard(self.trace_key)
+                _trace.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
+
+    def set_keep_unsharded_storage(self, keep: bool) -> None:
+        """Keep (or free, the default) the unsharded storage at reshard; see Design note:
+        storage resize (``FSDPParam``). Storage kept so far is freed at the next reshard."""
+        for p in self.fsdp_params:
+            p.keep_unsharded_storage = keep
+
+    @property
+    def keeps_unsharded_storage(self) -> bool:
+        """Whether a reshard leaves every parameter's unsharded storage allocated."""
+        return all(p.keep_unsharded_storage for p in self.fsdp_params)
 
     @property
     def is_unsharded(self) -> bool:

@@ -91,7 +91,16 @@ Design note: stream ordering
     replicate bucket: its   current /    as the reduce-scatter input and    points 6 and 8: a
     input and its output    reduce-      output above (a bucket is one      bucket is one
                             scatter      ``GradientReduction``)             reduction
+    kept unsharded storage  current      ``FSDPParam.all_gather_output``,   never released; only
+    (``set_keep_unsharded_               also while sharded                 the copy-out writes
+    storage``)                                                              it, on the stream of
+                                                                            all its readers
     ======================  ===========  =================================  =====================
+
+    The kept unsharded storage needs no wait of its own, as in torch's FSDP2: the next
+    unshard writes it only in its copy-out, on the current stream, after every op that read
+    the previous contents there (forward, backward, the post-forward clone of point 4); the
+    all-gather streams never touch it (they write the gathered buffer, ``AllGatherResult.output``).
 
     Collectives are issued as torch's FSDP2 issues them: on stream-ordered devices with
     ``async_op=False`` inside ``stream(...)`` (``_seam.issue``), so the backend

@@ -248,7 +248,8 @@ class FSDPModule(ManagedModule):
         return groups[0] if groups else None
 
     def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded ones."""
+        """Register the sharded parameters and free the unsharded ones' storage (not
+        recursive), unless ``set_keep_unsharded_storage(True)`` keeps it."""
         groups = self._get_fsdp_state()._fsdp_param_groups
         if any(group._all_gather_result is not None for group in groups):
             # The pending all-gather would register unsharded parameters after this reshard
@@ -259,6 +260,35 @@ class FSDPModule(ManagedModule):
             )
         for group in groups:
             group.reshard()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters' storage allocated when resharding.
+
+        By default a reshard frees it and the next unshard allocates it again, so its address
+        changes from use to use. With ``keep=True`` every unshard refills the same storage: the
+        unsharded parameters keep their data pointers across steps and across explicit
+        ``reshard()`` / ``unshard()`` (what CUDA graph capture needs). The cost is memory: the
+        unsharded parameters stay allocated between uses, as with ``reshard_after_forward=False``
+        (but the sharded parameters are still the ones registered, and the next unshard still
+        all-gathers). ``keep=False`` frees the storage kept so far at the next reshard.
+
+        Args:
+            keep: whether a reshard keeps the unsharded storage.
+            recurse: ``True`` sets it for every FSDP module under this one (this one included);
+                ``False`` only for this module's own parameters.
+
+        Example::
+
+            model.set_keep_unsharded_storage(True)
+            model(batch).sum().backward()  # later steps reuse the same unsharded storage
+
+        Differences from torch: torch added this method in 2.15; shardweave offers it on every
+        torch it supports (2.11 on), as it depends on nothing torch provides. A non-bool
+        ``keep`` raises ``TypeError`` (torch stores any value).
+        """
+        _check_flag(keep, "set_keep_unsharded_storage", "keep")
+        for group in self._groups(recurse):
+            group.set_keep_unsharded_storage(keep)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (before its forward, e.g. to prefetch).

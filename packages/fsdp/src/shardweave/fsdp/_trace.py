@@ -30,9 +30,11 @@ Design note: traced quantities
       where no collective runs). They become live when the unshard's copy-in is done (the
       output buffer is allocated right after, before the collective is issued) and are freed
       when the group reshards (to sharded, or to its post-forward shards, which are not
-      counted) or when an unconsumed prefetch is discarded. The transient second copy while
-      copy-out splits the buffer into the parameters is not counted. *Gathered bytes alive* is
-      the sum over groups.
+      counted) or when an unconsumed prefetch is discarded. A group that keeps its unsharded
+      storage (``set_keep_unsharded_storage(True)``) frees nothing at reshard: its gathered
+      bytes stay alive from its first unshard on, and later unshards add nothing. The
+      transient second copy while copy-out splits the buffer into the parameters is not
+      counted. *Gathered bytes alive* is the sum over groups.
     - *Unsharded gradient bytes*: ``sum(numel * element_size)`` of the unsharded gradients a
       group's post-backward takes for reduction; live from the moment they are taken until
       they have been copied into the reduce-scatter input. Gradients accumulated unreduced
@@ -297,7 +299,10 @@ class TraceRecorder:
             self.spans.append(
                 SpanRecord("copy_in", "copy_in", key, self._step, pending.begin_ns, now)
             )
-        self._change(now, key, "unshard", world * _nbytes(all_gather_input))
+        # Kept unsharded storage (set_keep_unsharded_storage) is refilled in place: its bytes
+        # never stopped being alive, so the unshard is recorded with no change.
+        nbytes = 0 if key in self._live else world * _nbytes(all_gather_input)
+        self._change(now, key, "unshard", nbytes)
 
     def collective_issue(
         self, kind: CollectiveKind, key: str, tensor: torch.Tensor, pg: dist.ProcessGroup
@@ -340,8 +345,10 @@ class TraceRecorder:
             )
         self.spans.append(SpanRecord("unshard", "unshard", key, self._step, pending.begin_ns, now))
 
-    def reshard(self, key: str) -> None:
-        self._change(self.now(), key, "reshard", -self._live.get(key, 0))
+    def reshard(self, key: str, kept: bool = False) -> None:
+        """The group resharded; with ``kept`` its unsharded storage stays allocated, so its
+        gathered bytes stay alive (until a reshard without it)."""
+        self._change(self.now(), key, "reshard", 0 if kept else -self._live.get(key, 0))
 
     def discard_unshard(self, key: str) -> None:
         """An issued all-gather dropped without copy-out (an unconsumed prefetch, a reset)."""
@@ -390,7 +397,7 @@ class TraceRecorder:
             self._gathered += delta
             if delta > 0:
                 self._live[key] = delta
-            else:
+            elif delta < 0:
                 self._live.pop(key, None)
         else:
             self._grads += delta
