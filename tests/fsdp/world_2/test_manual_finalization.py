@@ -13,18 +13,30 @@ branches' numbers, no race, no unsafe reuse, with the reductions waited on throu
 from __future__ import annotations
 
 import copy
+import datetime
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import shardweave.fsdp
-from shardweave.fsdp import FSDPModule, GradientReductionHandle, fully_shard
+from shardweave.fsdp import (
+    FSDPModule,
+    GradientReductionHandle,
+    PeerIdleError,
+    fully_shard,
+    set_idle_timeout,
+    set_stall_timeout,
+)
+from shardweave.fsdp._fault import set_checks
+from shardweave.fsdp._watchdog import DEFAULT_STALL_S
 from tests._dist import WorkerPool
+from tests.fsdp._faults import DEADLINE_S, _build, _expect, _fresh_mesh, _step
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_same_as_torch
 from tests.fsdp._stream_order import check_watched, sanitized_vs_plain
@@ -301,3 +313,38 @@ def test_gradient_reduction_handle_is_exported() -> None:
     assert shardweave.fsdp.GradientReductionHandle is GradientReductionHandle
     assert hasattr(FSDPModule, "finalize_backward")
     assert GradientReductionHandle().wait() is None
+
+
+# --- never hang -------------------------------------------------------------------------------
+def peer_never_finalizes(rank: int, world: int) -> None:
+    """Checks on: both ranks run a manual backward; rank 1 never calls finalize_backward (it
+    waits elsewhere, alive). Rank 0's finalization issues the root's deferred reduce-scatter,
+    which rank 1 never joins: rank 0 must raise PeerIdleError naming rank 1 at the (scaled)
+    idle timeout instead of hanging."""
+    net = _build(_fresh_mesh())
+    net.set_manual_backward_finalization(True)  # type: ignore[operator]
+    _step(net, rank, 0)
+    set_checks(True)
+    set_stall_timeout(1.0)
+    set_idle_timeout(4.0)
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        if rank == 1:
+            store.wait(["manual_finalization/done"], datetime.timedelta(seconds=60))
+            return
+        elapsed = _expect(
+            rank,
+            lambda: net.finalize_backward(),  # type: ignore[operator]
+            {0: (PeerIdleError, r"(?s)rank 1 is alive")},
+        )
+        store.set("manual_finalization/done", "1")
+        assert elapsed < DEADLINE_S, elapsed
+    finally:
+        set_checks(False)
+        set_stall_timeout(DEFAULT_STALL_S)
+        set_idle_timeout(None)
+
+
+def test_peer_that_never_finalizes_is_named(world2: WorkerPool) -> None:
+    """Oracle: the never-hang contract (an error naming the missing rank, within the deadline)."""
+    world2.run(peer_never_finalizes)

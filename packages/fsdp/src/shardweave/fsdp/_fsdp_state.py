@@ -106,8 +106,9 @@ class GradientReductionToken:
 # finishes the iteration: it runs the post-backward of groups autograd did not reach, waits for
 # every reduction and, on the last backward, finalizes the groups. With
 # ``set_manual_backward_finalization(True)`` (torch 2.15's API; ours on every torch) the caller
-# owns that point instead: the callback leaves the reductions in flight and only marks the groups
-# autograd did not reach as pending (``_post_backward_pending``, also set by a post-backward run
+# owns that point instead: the callback leaves the reductions in flight (on stream-ordered
+# devices; the host still waits for them on CPU, see _finish_reductions_at_backward_end_now)
+# and only marks the groups autograd did not reach as pending (``_post_backward_pending``, also set by a post-backward run
 # without gradient sync), and ``finalize_backward`` later runs their post-backward, waits, and
 # ends the iteration. With ``async_op=True`` the wait (and the release of the reduction buffers
 # the schedule keeps alive, points 6-8 of Design note: stream ordering) moves to the handle's
@@ -561,7 +562,7 @@ class FSDPState:
         # the rest of the model, which runs the final callback. Under manual finalization they
         # wait for finalize_backward (see Design note: manual finalization).
         try:
-            if not self._manual_finalization():
+            if self._finish_reductions_at_backward_end_now():
                 self._comm_ctx.reductions.finish()
         finally:
             self._state_ctx.reductions_callback_queued = False
@@ -571,6 +572,18 @@ class FSDPState:
         ctx = self._state_ctx
         active = ctx.manual_finalization_active
         return ctx.manual_backward_finalization if active is None else active
+
+    def _finish_reductions_at_backward_end_now(self) -> bool:
+        """Whether the reductions autograd started are finished when a backward ends. Under
+        manual finalization they stay in flight until finalize_backward on stream-ordered
+        devices, whose watchdog polls their events; on CPU the host waits for them here, as
+        in the default mode: a gloo reduce-scatter's Work never reports completion until
+        waited, so one left unwaited would make this rank look busy in a collective to the
+        watchdog of a peer stuck on a finalization this rank never runs, and that peer would
+        get no PeerIdleError (see Design note: manual finalization)."""
+        if not self._manual_finalization():
+            return True
+        return not self._comm_ctx.streams(self._device).stream_ordered
 
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._state_ctx
@@ -597,6 +610,8 @@ class FSDPState:
                 self._comm_ctx.reductions.finish()
                 if ctx.is_last_backward:
                     self._end_backward_iteration()
+            elif self._finish_reductions_at_backward_end_now():
+                self._comm_ctx.reductions.finish()
             _fault.enter_phase(_fault.Phase.AFTER_BACKWARD)  # the watchdog's position
         finally:
             ctx.post_backward_final_callback_queued = False
