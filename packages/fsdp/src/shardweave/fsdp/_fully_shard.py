@@ -320,7 +320,11 @@ class FSDPModule(ManagedModule):
         self._get_fsdp_state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """``False`` for all but the last microbatch's backward (keeps per-iteration state)."""
+        """``False`` for all but the last microbatch's backward (keeps per-iteration state).
+
+        Ignored under ``set_manual_backward_finalization(True)``, where ``finalize_backward``
+        ends the iteration.
+        """
         _check_flag(is_last_backward, "set_is_last_backward", "is_last_backward")
         self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
 
