@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from shardweave.fsdp import (
 from shardweave.fsdp._fault import set_checks
 from shardweave.fsdp._watchdog import DEFAULT_STALL_S
 from tests._dist import WorkerPool
+from tests.fsdp._counting import count_collectives
 from tests.fsdp._faults import DEADLINE_S, _build, _expect, _fresh_mesh, _step
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_same_as_torch
@@ -61,6 +63,7 @@ def _run_steps(
     mode: str,
     manual: bool,
     on_step: Callable[[int], None],
+    comms: list[Counter[str]],
 ) -> list[torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     micro = 3 if mode == "micro" else 1
@@ -68,27 +71,29 @@ def _run_steps(
     if manual:
         model.set_manual_backward_finalization(True)  # type: ignore[operator]
     for step in range(2):
-        for mb in range(micro):
-            if micro > 1:
-                # Manual: every backward without sync, sync back on for the finalization.
-                # Automatic: sync on for the last backward only (torch's usual accumulation).
-                model.set_requires_gradient_sync(  # type: ignore[operator]
-                    not manual and mb == micro - 1
-                )
-            loss = _loss(model, step, mb, rank)
-            loss.backward()
-            losses.append(loss.detach().clone())
-        if manual:
-            if micro > 1:
-                model.set_requires_gradient_sync(True)  # type: ignore[operator]
-            if mode == "async":
-                handle = model.finalize_backward(async_op=True)  # type: ignore[operator]
-                kinds = (GradientReductionHandle, *_TORCH_HANDLE)
-                assert isinstance(handle, kinds), type(handle)
-                handle.wait()
-                handle.wait()  # a second wait does nothing
-            else:
-                assert model.finalize_backward() is None  # type: ignore[operator]
+        with count_collectives() as counts:
+            for mb in range(micro):
+                if micro > 1:
+                    # Manual: every backward without sync, sync back on for the finalization.
+                    # Automatic: sync on for the last backward only (torch's usual accumulation).
+                    model.set_requires_gradient_sync(  # type: ignore[operator]
+                        not manual and mb == micro - 1
+                    )
+                loss = _loss(model, step, mb, rank)
+                loss.backward()
+                losses.append(loss.detach().clone())
+            if manual:
+                if micro > 1:
+                    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+                if mode == "async":
+                    handle = model.finalize_backward(async_op=True)  # type: ignore[operator]
+                    kinds = (GradientReductionHandle, *_TORCH_HANDLE)
+                    assert isinstance(handle, kinds), type(handle)
+                    handle.wait()
+                    handle.wait()  # a second wait does nothing
+                else:
+                    assert model.finalize_backward() is None  # type: ignore[operator]
+        comms.append(counts)
         on_step(step)
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
@@ -133,8 +138,14 @@ def manual_parity(rank: int, world: int, mode: str) -> None:
 
         return check
 
-    want = _run_steps(tmodel, rank, mode, TORCH_HAS_MANUAL, snap(tmodel))
-    got = _run_steps(model, rank, mode, True, compare(model))
+    their_comms: list[Counter[str]] = []
+    our_comms: list[Counter[str]] = []
+    want = _run_steps(tmodel, rank, mode, TORCH_HAS_MANUAL, snap(tmodel), their_comms)
+    got = _run_steps(model, rank, mode, True, compare(model), our_comms)
+    # The same collectives with the same bytes per step (one reduce-scatter per group per step,
+    # also for the microbatches, whose reductions all wait for the finalization).
+    assert our_comms == their_comms, f"{mode} rank {rank}: ours {our_comms} vs {their_comms}"
+    assert all(c["reduce_scatter_single"] == 3 for c in our_comms), our_comms
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b), f"{mode} rank {rank}: losses differ {a} vs {b}"
