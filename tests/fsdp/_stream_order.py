@@ -229,6 +229,10 @@ def train(
         model = make_model(kind)
         wrap_scenario(model, cfg, world, engine)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        # torch's engine before 2.15 has no manual finalization: its automatic one is the oracle.
+        manual = cfg.get("manual_finalization") and hasattr(model, "finalize_backward")
+        if manual:
+            model.set_manual_backward_finalization(True)  # type: ignore[operator]
         for step in range(steps):
             for mb in range(micro):
                 if micro > 1:
@@ -240,6 +244,11 @@ def train(
                 loss = loss_fn(kind, model(batch), batch)
                 loss.backward()
                 out["loss"].append(loss.detach().clone())
+            if manual:
+                # The reductions of groups backward did not reach (the root's) stay in flight,
+                # their buffers kept by the schedule, until the handle's wait.
+                handle = model.finalize_backward(async_op=True)  # type: ignore[operator]
+                handle.wait()
             out["grad"] += [_local(p.grad) for p in model.parameters() if p.grad is not None]
             opt.step()
             opt.zero_grad()

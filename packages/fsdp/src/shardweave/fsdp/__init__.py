@@ -29,6 +29,7 @@ from shardweave.fsdp._full_state_dict import (
 )
 from shardweave.fsdp._fully_shard import (
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -51,6 +52,7 @@ __all__ = [
     "FSDPConsistencyError",
     "FSDPModule",
     "FSDPTracer",
+    "GradientReductionHandle",
     "IncompatibleKeys",
     "MemoryRecord",
     "MixedPrecisionPolicy",

@@ -76,6 +76,10 @@ class FSDPCommContext:
         # When each gradient reduction is waited and its buffers retired (points 6-8).
         self.reductions = ReductionSchedule()
         self._streams: CommStreams | None = None
+        # The owner (an FSDPStateContext) of a finalize_backward(async_op=True) whose handle
+        # has not been waited on: until then its reductions are in flight in this context and
+        # no root sharing it may start work (see FSDPState, Design note: manual finalization).
+        self.pending_reduction_owner: object | None = None
         # Point 3: the last forward all-gather's buffers and its copy-out event.
         self.all_gather_state: tuple[AllGatherResult, Any] | None = None
         # Implicit forward prefetch: the states whose forward began, in this iteration's
@@ -173,6 +177,10 @@ class FSDPParamGroup:
         self._all_gather_result: AllGatherResult | None = None
         self._copy_out_views = CopyOutViews()
         self._partial_reduce_output: torch.Tensor | None = None
+        # Manual finalization: this group's reduction waits for finalize_backward, either
+        # because its post-backward ran without gradient sync or because the end of backward
+        # deferred it (see FSDPState, Design note: manual finalization).
+        self._post_backward_pending = False
         self._post_forward_indices: list[int] = []
         self._lazy_inited = False
         self._orig_dtype: torch.dtype | None = None
@@ -663,11 +671,13 @@ class FSDPParamGroup:
         for p in self.fsdp_params:
             p.accumulate_unsharded_grad_if_needed()
         if not self.reduce_grads:
+            self._post_backward_pending = True
             if self.reshard_after_backward:
                 self.reshard()
             for p in self.fsdp_params:
                 p.to_accumulated_grad_if_needed()
             return
+        self._post_backward_pending = False
         with_grad: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
         for p in self.fsdp_params:
@@ -766,6 +776,7 @@ class FSDPParamGroup:
             _trace.ACTIVE.discard_unshard(self.trace_key)
         self._all_gather_result = None
         self._partial_reduce_output = None
+        self._post_backward_pending = False
         self._reshard_after_forward_event = None
         self._post_forward_indices.clear()
         for p in self.fsdp_params:

@@ -20,6 +20,7 @@ from shardweave.fsdp._fsdp_common import (
     apply_to_tensors,
     cast_floating,
     collect_grad_tensors,
+    in_backward,
     inputs_to_device,
     moves_forward_inputs,
     run_eagerly,
@@ -27,12 +28,20 @@ from shardweave.fsdp._fsdp_common import (
 from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
 from shardweave.fsdp._spmd_types import outside_typecheck
 from shardweave.fsdp._torch_compat import STATE_EXPOSES_ONE_GROUP
+from shardweave.mesh import DDPMeshInfo
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
     from shardweave.mesh import DataParallelMeshInfo
 
-__all__ = ["FULLY_SHARD_API", "EngineAPI", "FSDPState", "FSDPStateContext", "get_fsdp_state"]
+__all__ = [
+    "FULLY_SHARD_API",
+    "EngineAPI",
+    "FSDPState",
+    "FSDPStateContext",
+    "GradientReductionToken",
+    "get_fsdp_state",
+]
 
 # Where a module's state lives: in the module's own ``__dict__``. The state refers to its
 # modules (and its hooks to the state), so a map from module to state outside the module, even a
@@ -78,6 +87,37 @@ class FSDPStateContext:
         self.reductions_callback_queued = False
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
+        # See Design note: manual finalization. What the caller asked for, and the mode the
+        # current backward iteration runs in (latched at its first pre-backward, cleared when
+        # the iteration ends), so that a change mid-iteration is refused instead of half-applied.
+        self.manual_backward_finalization = False
+        self.manual_finalization_active: bool | None = None
+        # A finalize_backward(async_op=True) whose handle has not been waited on.
+        self.reduction_handle_pending = False
+
+
+class GradientReductionToken:
+    """Identifies one asynchronous finalization; a reset replaces the comm context's token,
+    which is how a handle learns it was invalidated."""
+
+    def __init__(self, owner: FSDPStateContext) -> None:
+        self.owner = owner
+
+
+# Design note: manual finalization
+# In the default mode the root's end-of-backward callback (queued by the first pre-backward)
+# finishes the iteration: it runs the post-backward of groups autograd did not reach, waits for
+# every reduction and, on the last backward, finalizes the groups. With
+# ``set_manual_backward_finalization(True)`` (torch 2.15's API; ours on every torch) the caller
+# owns that point instead: the callback leaves the reductions in flight (on stream-ordered
+# devices; the host still waits for them on CPU, see _finish_reductions_at_backward_end_now)
+# and only marks the groups autograd did not reach as pending (``_post_backward_pending``, also set by a post-backward run
+# without gradient sync), and ``finalize_backward`` later runs their post-backward, waits, and
+# ends the iteration. With ``async_op=True`` the wait (and the release of the reduction buffers
+# the schedule keeps alive, points 6-8 of Design note: stream ordering) moves to the handle's
+# ``wait()``; until then the reductions stay in the schedule, so the seam's in-flight records and
+# the watchdog keep seeing them, and the next forward refuses to start. ``reset_iter_state``
+# abandons them and invalidates the handle (its token is no longer the comm context's).
 
 
 class FSDPState:
@@ -208,8 +248,20 @@ class FSDPState:
                 f"{len(self._modules)} modules ({kinds}); call forward through a module that "
                 f"contains them all (and apply {self.api.name} to it) first"
             )
-        self._is_root = True
         root = self._modules[0]
+        for module in root.modules():
+            state = get_fsdp_state(module)
+            if (
+                state is not None
+                and state is not self
+                and state._state_ctx.manual_backward_finalization
+            ):
+                raise RuntimeError(
+                    "set_manual_backward_finalization must be called on the root "
+                    f"{self.api.torch_state_name} module (it was called on "
+                    f"{type(module).__name__}, which is not the root)"
+                )
+        self._is_root = True
         ctx = self._state_ctx
         ctx.all_states = []
         for name, module in root.named_modules():
@@ -356,6 +408,14 @@ class FSDPState:
             return _trace.ACTIVE.time_hook(
                 "pre_forward", self._trace_key, self._pre_forward, module, args, kwargs
             )
+        if (
+            self._state_ctx.reduction_handle_pending
+            or self._comm_ctx.pending_reduction_owner is not None
+        ):
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before forward: call wait() "
+                "on the GradientReductionHandle that finalize_backward(async_op=True) returned"
+            )
         if self._training_state == TrainingState.PRE_BACKWARD:
             # Activation-checkpoint recompute inside backward: just make the params available.
             for group in self._fsdp_param_groups:
@@ -487,6 +547,8 @@ class FSDPState:
         ctx = self._state_ctx
         if ctx.post_backward_final_callback_queued:
             return
+        if ctx.manual_finalization_active is None:
+            ctx.manual_finalization_active = ctx.manual_backward_finalization
         ctx.post_backward_final_callback_queued = True
         Variable._execution_engine.queue_callback(self._final_callback)
 
@@ -503,34 +565,180 @@ class FSDPState:
 
     def _finish_reductions_at_backward_end(self) -> None:
         # Only the reductions: the iteration's states stay as they are for the backward through
-        # the rest of the model, which runs the final callback.
+        # the rest of the model, which runs the final callback. Under manual finalization they
+        # wait for finalize_backward (see Design note: manual finalization).
         try:
-            self._comm_ctx.reductions.finish()
+            if self._finish_reductions_at_backward_end_now():
+                self._comm_ctx.reductions.finish()
         finally:
             self._state_ctx.reductions_callback_queued = False
+
+    def _manual_finalization(self) -> bool:
+        """The mode of this backward iteration, or the one asked for if it has not started."""
+        ctx = self._state_ctx
+        active = ctx.manual_finalization_active
+        return ctx.manual_backward_finalization if active is None else active
+
+    def _finish_reductions_at_backward_end_now(self) -> bool:
+        """Whether the reductions autograd started are finished when a backward ends. Under
+        manual finalization they stay in flight until finalize_backward on stream-ordered
+        devices, whose watchdog polls their events; on CPU the host waits for them here, as
+        in the default mode: a gloo reduce-scatter's Work never reports completion until
+        waited, so one left unwaited would make this rank look busy in a collective to the
+        watchdog of a peer stuck on a finalization this rank never runs, and that peer would
+        get no PeerIdleError (see Design note: manual finalization)."""
+        if not self._manual_finalization():
+            return True
+        return not self._comm_ctx.streams(self._device).stream_ordered
 
     @outside_typecheck
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._state_ctx
         try:
+            manual = ctx.manual_finalization_active
+            if manual is None:
+                raise AssertionError("the backward's finalization mode was not latched")
             ctx.iter_forward_root = None
             for state in ctx.all_states:
                 state._modules_to_run_forward.clear()
                 for group in reversed(state._fsdp_param_groups):
                     if group._training_state != TrainingState.POST_BACKWARD:
-                        # Inputs needed no grad, or the module was unused: reduce what exists.
-                        group.post_backward()
+                        if manual and group.reduce_grads:
+                            # finalize_backward reduces it, after any later backward
+                            # (see Design note: manual finalization).
+                            group._post_backward_pending = True
+                        else:
+                            # Inputs needed no grad, or the module was unused: reduce what
+                            # exists.
+                            group.post_backward()
                     group._training_state = TrainingState.IDLE
                 state._training_state = TrainingState.IDLE
-            self._comm_ctx.reductions.finish()
-            if ctx.is_last_backward:
-                for state in ctx.all_states:
-                    for group in state._fsdp_param_groups:
-                        group.finalize_backward()
-                self._comm_ctx.post_forward_order.clear()
+            if not manual:
+                self._comm_ctx.reductions.finish()
+                if ctx.is_last_backward:
+                    self._end_backward_iteration()
+            elif self._finish_reductions_at_backward_end_now():
+                self._comm_ctx.reductions.finish()
             _fault.enter_phase(_fault.Phase.AFTER_BACKWARD)  # the watchdog's position
         finally:
             ctx.post_backward_final_callback_queued = False
+
+    def _end_backward_iteration(self) -> None:
+        """The iteration's reductions have finished: release what the groups keep for it."""
+        for state in self._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.finalize_backward()
+        self._comm_ctx.post_forward_order.clear()
+        self._state_ctx.manual_finalization_active = None
+
+    # --- manual finalization (see Design note: manual finalization) ---------------------------
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        ctx = self._state_ctx
+        if self._is_root is False:
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root "
+                f"{self.api.torch_state_name} module"
+            )
+        if enabled != ctx.manual_backward_finalization and in_backward():
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward"
+            )
+        active = ctx.manual_finalization_active
+        if active is not None and enabled != active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts; "
+                "finalize the backward iteration (or reset_iter_state) first"
+            )
+        ctx.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool) -> GradientReductionToken | None:
+        """Reduce the pending groups' gradients; wait unless ``async_op`` (then the caller
+        waits through the returned token). Before the first forward there is nothing to do."""
+        ctx = self._state_ctx
+        if self._is_root is None:
+            return None
+        if ctx.reduction_handle_pending:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward "
+                "again: call wait() on its GradientReductionHandle"
+            )
+        if self._comm_ctx.pending_reduction_owner is not None:
+            raise RuntimeError(
+                "Another gradient reduction sharing this communication context must be waited "
+                "on before finalizing backward"
+            )
+        self._check_finalize_backward()
+        token: GradientReductionToken | None = None
+        if async_op:
+            own = {g for s in ctx.all_states for g in s._fsdp_param_groups}
+            if any(g not in own for g in self._comm_ctx.post_forward_order):
+                raise RuntimeError(
+                    "Asynchronous gradient finalization cannot overlap work from another "
+                    f"{self.api.torch_state_name} root sharing the communication context"
+                )
+            token = GradientReductionToken(ctx)
+            self._comm_ctx.pending_reduction_owner = token
+        # Autograd has finished; torch's order: the deepest state's groups first.
+        for state in reversed(ctx.all_states):
+            for group in reversed(state._fsdp_param_groups):
+                if group._post_backward_pending:
+                    group.post_backward()
+                elif group.reshard_after_backward:
+                    group.reshard()
+                group._training_state = TrainingState.IDLE
+        if token is None:
+            self.wait_for_gradient_reduction(None)
+        else:
+            ctx.reduction_handle_pending = True
+        return token
+
+    def _check_finalize_backward(self) -> None:
+        name = self.api.torch_state_name
+        ctx = self._state_ctx
+        if not self._is_root:
+            raise RuntimeError(f"finalize_backward must be called on the root {name} module")
+        if not self._manual_finalization():
+            raise RuntimeError(
+                f"{name} finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward"
+            )
+        if ctx.post_backward_final_callback_queued:
+            raise RuntimeError(f"{name} finalize_backward must be called after backward completes")
+        groups = [g for s in ctx.all_states for g in s._fsdp_param_groups]
+        for group in groups:
+            if group._partial_reduce_output is not None:
+                raise RuntimeError(
+                    f"{name} manual backward finalization does not support partial gradient "
+                    f"reductions for parameter group {group._module_fqn or '<root>'!r}. Use "
+                    "automatic backward finalization for this configuration"
+                )
+        for group in groups:
+            if (
+                group._post_backward_pending
+                and group.reduce_grads
+                and isinstance(group.mesh_info, DDPMeshInfo)
+                and not group.all_reduce_grads
+            ):
+                raise RuntimeError(
+                    f"{name} manual backward finalization requires all-reduce for parameter "
+                    f"group {group._module_fqn or '<root>'!r}. Call "
+                    "set_requires_all_reduce(True) before finalization"
+                )
+
+    def wait_for_gradient_reduction(self, token: GradientReductionToken | None) -> None:
+        """Finish the reductions in flight and end the backward iteration; with ``token``, only
+        if it is still the comm context's pending finalization."""
+        if token is not None and self._comm_ctx.pending_reduction_owner is not token:
+            raise RuntimeError(
+                "This gradient reduction handle was invalidated (reset_iter_state ran after "
+                "finalize_backward(async_op=True))"
+            )
+        self._comm_ctx.reductions.finish()
+        self._end_backward_iteration()
+        if token is not None:
+            self._state_ctx.reduction_handle_pending = False
+            self._comm_ctx.pending_reduction_owner = None
+        _fault.enter_phase(_fault.Phase.AFTER_BACKWARD)  # the watchdog's position
 
     # --- recovery -----------------------------------------------------------------------------
     def reset_iter_state(self) -> None:
@@ -539,6 +747,12 @@ class FSDPState:
                 f"reset_iter_state must be called on the root {self.api.name} module"
             )
         ctx = self._state_ctx
+        pending = self._comm_ctx.pending_reduction_owner
+        if isinstance(pending, GradientReductionToken) and pending.owner is not ctx:
+            raise RuntimeError(
+                "reset_iter_state cannot reset a gradient reduction owned by another "
+                f"{self.api.torch_state_name} root sharing the communication context"
+            )
         states: Sequence[FSDPState] = ctx.all_states or [self]
         self._comm_ctx.post_forward_order.clear()
         for state in states:
@@ -550,3 +764,6 @@ class FSDPState:
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
         ctx.reductions_callback_queued = False
+        ctx.manual_finalization_active = None
+        ctx.reduction_handle_pending = False
+        self._comm_ctx.pending_reduction_owner = None  # invalidates an unwaited handle

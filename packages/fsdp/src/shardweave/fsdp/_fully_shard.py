@@ -19,7 +19,7 @@ from shardweave.fsdp._fsdp_api import AllGather, MixedPrecisionPolicy, OffloadPo
 from shardweave.fsdp._fsdp_args import fully_shard_arguments
 from shardweave.fsdp._fsdp_init import init_fully_shard, post_forward_mesh_info
 from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
-from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
+from shardweave.fsdp._fsdp_state import FSDPState, GradientReductionToken, get_fsdp_state
 from shardweave.fsdp._torch_interop import ManagedModule
 from shardweave.mesh import DataParallelMeshDims, FSDPMeshInfo
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FSDPModule",
+    "GradientReductionHandle",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
@@ -197,6 +198,43 @@ class UnshardHandle:
         self._groups = None
 
 
+class GradientReductionHandle:
+    """Waits on an asynchronous ``FSDPModule.finalize_backward(async_op=True)``.
+
+    Until ``wait()`` the gradient reductions may still be in flight and their buffers stay
+    alive; the gradients must not be read (by the optimizer, a clip, a check) before it, and
+    the module's next forward refuses to start.
+
+    Example::
+
+        model.set_manual_backward_finalization(True)
+        model(batch).sum().backward()
+        handle = model.finalize_backward(async_op=True)
+        ...  # host work that does not touch the gradients
+        handle.wait()
+        optimizer.step()
+    """
+
+    def __init__(
+        self, state: FSDPState | None = None, token: GradientReductionToken | None = None
+    ) -> None:
+        self._state = state
+        self._token = token
+
+    def wait(self) -> None:
+        """Finish the reductions and release their buffers; a second call does nothing.
+
+        Raises:
+            RuntimeError: ``reset_iter_state`` ran after the finalization (its reductions
+                were abandoned, so the gradients are not there to wait for).
+        """
+        state, token = self._state, self._token
+        if state is None or token is None:
+            return
+        state.wait_for_gradient_reduction(token)
+        self._state = self._token = None
+
+
 class FSDPModule(ManagedModule):
     """Mixed into every module ``fully_shard`` was applied to (placed first in its MRO; torch's
     public ``FSDPModule`` follows as a marker, so torch's and frameworks' ``isinstance`` checks
@@ -312,9 +350,85 @@ class FSDPModule(ManagedModule):
         self._get_fsdp_state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """``False`` for all but the last microbatch's backward (keeps per-iteration state)."""
+        """``False`` for all but the last microbatch's backward (keeps per-iteration state).
+
+        Ignored under ``set_manual_backward_finalization(True)``, where ``finalize_backward``
+        ends the iteration.
+        """
         _check_flag(is_last_backward, "set_is_last_backward", "is_last_backward")
         self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Leave the end of each backward iteration to ``finalize_backward`` (call on the root).
+
+        By default the end of every backward waits for the gradient reductions and, on the
+        last backward (``set_is_last_backward``), ends the iteration. Enabled, that point is the
+        caller's: backward leaves the reductions of groups it did not reach to
+        ``finalize_backward``, which must run after all of the iteration's backwards and before
+        the gradients are read or cleared. It supersedes ``set_is_last_backward``. Gradient
+        sync and resharding follow their own settings.
+
+        Set it before the backward; the mode cannot change while a backward runs or once an
+        iteration's backward started, until it is finalized (or ``reset_iter_state``).
+
+        torch 2.15's API; shardweave offers it on every supported torch (2.11-2.15).
+
+        Raises:
+            RuntimeError: on a non-root module, during a backward, or when the mode differs from
+                the one the current backward iteration started with.
+        """
+        _check_flag(enabled, "set_manual_backward_finalization", "enabled")
+        self._get_fsdp_state().set_manual_backward_finalization(enabled)
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[False] = False) -> None: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[True]) -> GradientReductionHandle: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: bool) -> GradientReductionHandle | None: ...
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """End the backward iteration under manual finalization (call on the root).
+
+        Reduces the gradients still pending (groups backward did not reach, and groups whose
+        backwards ran without gradient sync: re-enable sync first), reshards as configured and
+        waits for every reduction. Run several backwards with gradient sync disabled before one
+        finalization to accumulate microbatches. Before the root's first forward it does
+        nothing. Do not call it between a forward and its backward.
+
+        Args:
+            async_op: ``True`` returns a ``GradientReductionHandle`` without waiting: the
+                reductions overlap whatever the caller does next, but their buffers live until
+                ``wait()``, which must come before the gradients are used or the next forward.
+                ``False`` waits before returning.
+
+        Returns:
+            The handle when ``async_op``, else ``None``.
+
+        Raises:
+            RuntimeError: manual finalization is off; a previous asynchronous finalization of
+                this root (or of another root sharing its communication context) is not waited
+                on; called on a non-root module or during backward; an HSDP/replicate group
+                holds a partial reduction or has all-reduce disabled.
+
+        Example::
+
+            model.set_manual_backward_finalization(True)
+            model.set_requires_gradient_sync(False)
+            for micro in microbatches:
+                model(micro).sum().backward()
+            model.set_requires_gradient_sync(True)
+            model.finalize_backward()  # one reduction of the accumulated gradients
+            optimizer.step()
+        """
+        _check_flag(async_op, "finalize_backward", "async_op")
+        state = self._get_fsdp_state()
+        token = state.finalize_backward(async_op=async_op)
+        if not async_op:
+            return None
+        return GradientReductionHandle(state, token)
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
