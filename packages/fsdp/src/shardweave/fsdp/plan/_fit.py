@@ -45,6 +45,8 @@ from typing import Any, Final
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
 from shardweave.fsdp.plan._activations import SampleInput, fake_mode, run_fake_step
@@ -360,8 +362,6 @@ def _flops_and_trace(
     wrap: str | None,
     every: int,
 ) -> tuple[list[tuple[Any, ...]], float]:
-    from torch.utils.flop_counter import FlopCounterMode
-
     mode = fake_mode()
     with mode:
         model = factory()
@@ -369,10 +369,35 @@ def _flops_and_trace(
     if wrap is not None and every:
         _checkpoint_forwards(model, wrap, every)
     rec = _RecordingReplay(traffic, keep_timeline=False)
-    counter = FlopCounterMode(display=False)
+    counter = _FlopCounter()
     with counter:
         run_fake_step(model, mode, specs, rec, sample, loss_fn, param_dtype)
-    return rec.events, float(counter.get_total_flops())
+    return rec.events, float(counter.flops)
+
+
+class _FlopCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """FLOPs of every operator with a formula in torch's ``flop_registry`` (matmuls,
+    convolutions, attention; a checkpoint's recompute included, as it runs operators again).
+    Not ``FlopCounterMode`` itself: its module tracker keeps autograd hooks on every module's
+    outputs, which holds tensors alive and would change the fake step's measured peak."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.flops = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
 
 
 _DTYPES: Final[dict[str | None, torch.dtype | None]] = {
@@ -533,8 +558,10 @@ def fit(
                 and any(p.dtype in (torch.bfloat16, torch.float16) for s in specs for p in s.params)
             )
             flops_per_s = device_flops or (dev.bf16_flops if low else dev.fp32_flops)
+            # With no wrapped blocks the blocks' reshard is moot: one value.
+            block_reshards = reshards if w is not None else [True]
             for reshard, root_reshard, offload in itertools.product(
-                reshards, (False, True), offload_choices
+                block_reshards, (False, True), offload_choices
             ):
                 traffic, plans = _traffic(
                     specs, reshard, root_reshard, shard_size, mp, states, replicate_size,
@@ -548,7 +575,7 @@ def fit(
                 peak = held + replay.result.peak_dynamic_bytes
                 cfg = FitConfig(
                     wrap=w,
-                    reshard_after_forward=reshard if w is not None else True,
+                    reshard_after_forward=reshard,
                     root_reshard_after_forward=root_reshard,
                     param_dtype=pd,
                     reduce_dtype=rd,
@@ -563,14 +590,7 @@ def fit(
                 step = terms["compute"] + terms["exposed_comm"] + terms["offload"]
                 dominant = max(("compute", "exposed_comm", "offload"), key=lambda k: terms[k])
                 results.append(Fitted(cfg, peak, step, terms, dominant))
-                if w is None:
-                    break  # the blocks' reshard does not apply: one of each
             del events
-    # Deduplicate identical configurations (no blocks: reshard is moot).
-    uniq: dict[FitConfig, Fitted] = {}
-    for f in results:
-        uniq.setdefault(f.config, f)
-    results = list(uniq.values())
     kept = sorted(
         (f for f in results if f.peak_bytes <= budget_bytes),
         key=lambda f: (f.step_seconds, f.peak_bytes),
