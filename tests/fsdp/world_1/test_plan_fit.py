@@ -48,13 +48,16 @@ class Net(nn.Module):
 
 
 def mlp_stack() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 3))
+    return nn.Sequential(
+        nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 3)
+    )
 
 
 @pytest.fixture(scope="module")
 def searched() -> Any:
-    return fit(Net, mesh=2, sample_input=SAMPLE, budget="1GiB", allow_lower_precision=True,
-               backend="gloo")
+    return fit(
+        Net, mesh=2, sample_input=SAMPLE, budget="1GiB", allow_lower_precision=True, backend="gloo"
+    )
 
 
 def test_parse_budget_units() -> None:
@@ -117,8 +120,10 @@ def test_ranked_by_step_time_and_fit(searched: Any) -> None:
     for f in searched.kept:
         assert f.dominant in ("compute", "exposed_comm", "offload")
         # checkpointing recomputes: more FLOPs than the same configuration without it
-    flops = {(f.config.wrap, f.config.param_dtype, f.config.checkpoint_every): f.terms["flops"]
-             for f in searched.kept}
+    flops = {
+        (f.config.wrap, f.config.param_dtype, f.config.checkpoint_every): f.terms["flops"]
+        for f in searched.kept
+    }
     assert flops[("Block", None, 1)] > flops[("Block", None, 2)] > flops[("Block", None, 0)]
     space = searched.search_space
     assert "not searched (fixed)" in space and "time model" in space
@@ -126,14 +131,20 @@ def test_ranked_by_step_time_and_fit(searched: Any) -> None:
 
 def test_budget_below_default_finds_smaller_and_is_monotone(searched: Any) -> None:
     default = next(
-        f for f in searched.kept if f.config == FitConfig("Block", True, False, None, None, 0, False)
+        f
+        for f in searched.kept
+        if f.config == FitConfig("Block", True, False, None, None, 0, False)
     )
     budget = default.peak_bytes - 1
     tight = fit(Net, mesh=2, sample_input=SAMPLE, budget=budget, wrap="Block", backend="gloo")
     assert tight.kept and all(f.peak_bytes <= budget for f in tight.kept)
     assert default.config not in {f.config for f in tight.kept}
     tighter = fit(
-        Net, mesh=2, sample_input=SAMPLE, budget=tight.kept[0].peak_bytes - 1, wrap="Block",
+        Net,
+        mesh=2,
+        sample_input=SAMPLE,
+        budget=tight.kept[0].peak_bytes - 1,
+        wrap="Block",
         backend="gloo",
     )
     if tighter.kept:  # a smaller budget never gives a faster best plan
@@ -141,8 +152,15 @@ def test_budget_below_default_finds_smaller_and_is_monotone(searched: Any) -> No
 
 
 def test_nothing_fits_is_an_answer() -> None:
-    r = fit(Net, mesh=2, sample_input=SAMPLE, budget=1000, wrap="Block", backend="gloo",
-            checkpoint_choices=(0,))
+    r = fit(
+        Net,
+        mesh=2,
+        sample_input=SAMPLE,
+        budget=1000,
+        wrap="Block",
+        backend="gloo",
+        checkpoint_choices=(0,),
+    )
     assert not r.kept and r.smallest is not None
     text = " ".join(r.advice)
     assert "smallest peak" in text and "4 ranks" in text and "smaller sample input" in text
@@ -150,11 +168,18 @@ def test_nothing_fits_is_an_answer() -> None:
 
 
 def test_bad_inputs() -> None:
-    with pytest.raises(PlanError, match="candidates.*Block"):
+    with pytest.raises(PlanError, match=r"candidates.*Block"):
         fit(Net, mesh=2, sample_input=SAMPLE, budget="1GiB", wrap="NoSuchBlock")
     with pytest.raises(PlanError, match="sample_input"):
-        fit(mlp_stack, mesh=2, sample_input=((4, 7), torch.float32), budget="1GiB",
-            wrap="Linear", checkpoint_choices=(0,), offload_choices=(False,))
+        fit(
+            mlp_stack,
+            mesh=2,
+            sample_input=((4, 7), torch.float32),
+            budget="1GiB",
+            wrap="Linear",
+            checkpoint_choices=(0,),
+            offload_choices=(False,),
+        )
 
     def on_cuda_only() -> nn.Module:
         raise RuntimeError("needs a real device")
@@ -168,8 +193,18 @@ def test_cli_json_and_nothing_fits(tmp_path: Path, capsys: pytest.CaptureFixture
     from shardweave.fsdp.plan.__main__ import main
 
     out = tmp_path / "fit.json"
-    base = ["--model", "tests.fsdp.world_1.test_plan_fit:Net", "--mesh", "2",
-            "--sample-input", "2x16:long", "--wrap", "Block", "--backend", "gloo"]
+    base = [
+        "--model",
+        "tests.fsdp.world_1.test_plan_fit:Net",
+        "--mesh",
+        "2",
+        "--sample-input",
+        "2x16:long",
+        "--wrap",
+        "Block",
+        "--backend",
+        "gloo",
+    ]
     assert main([*base, "--fit", "1GiB", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "the winner as code" in text and "estimate" in text and "search space" in text

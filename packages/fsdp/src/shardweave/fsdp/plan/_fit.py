@@ -166,7 +166,9 @@ class FitConfig:
     reduce_scatter_max_input_buffers: int = 1
 
     def describe(self) -> str:
-        ac = {0: "none", 1: "every block"}.get(self.checkpoint_every, f"every {self.checkpoint_every}th")
+        ac = {0: "none", 1: "every block"}.get(
+            self.checkpoint_every, f"every {self.checkpoint_every}th"
+        )
         return (
             f"wrap={self.wrap or '-'} reshard={self.reshard_after_forward} "
             f"root_reshard={self.root_reshard_after_forward} "
@@ -525,8 +527,10 @@ def fit(
         },
         "time model": {
             "device": dev.source,
-            "compute_flops_per_s": {"low precision": device_flops or dev.bf16_flops,
-                                    "fp32": device_flops or dev.fp32_flops},
+            "compute_flops_per_s": {
+                "low precision": device_flops or dev.bf16_flops,
+                "fp32": device_flops or dev.fp32_flops,
+            },
             "shard_link_bytes_per_s": shard_bw,
             "replicate_link_bytes_per_s": repl_bw,
             "host_link_bytes_per_s": host_bw,
@@ -546,11 +550,18 @@ def fit(
         acs = [k for k in checkpoint_choices if k == 0 or (w is not None and k <= max(n_blocks, 1))]
         for (pd, rd), every in itertools.product(precisions, acs):
             mp = MixedPrecisionPolicy(param_dtype=_DTYPES[pd], reduce_dtype=_DTYPES[rd])
-            base_traffic = _traffic(specs, True, False, shard_size, mp, states, replicate_size,
-                                    backend, False)[0]
+            base_traffic = _traffic(
+                specs, True, False, shard_size, mp, states, replicate_size, backend, False
+            )[0]
             events, flops = _flops_and_trace(
-                model_factory, specs_of, base_traffic, sample_input, loss_fn, mp.param_dtype,
-                w, every,
+                model_factory,
+                specs_of,
+                base_traffic,
+                sample_input,
+                loss_fn,
+                mp.param_dtype,
+                w,
+                every,
             )
             fake_steps += 1
             low = mp.param_dtype in (torch.bfloat16, torch.float16) or (
@@ -564,8 +575,15 @@ def fit(
                 block_reshards, (False, True), offload_choices
             ):
                 traffic, plans = _traffic(
-                    specs, reshard, root_reshard, shard_size, mp, states, replicate_size,
-                    backend, offload,
+                    specs,
+                    reshard,
+                    root_reshard,
+                    shard_size,
+                    mp,
+                    states,
+                    replicate_size,
+                    backend,
+                    offload,
                 )
                 replay = Replay(traffic, keep_timeline=False, stream_ordered=backend == "nccl")
                 _play(replay, events)
@@ -584,8 +602,16 @@ def fit(
                 )
                 searched += 1
                 terms = _time_terms(
-                    plans, replay.result.all_gathers, flops, flops_per_s, shard_size,
-                    replicate_size, shard_bw, repl_bw, host_bw, offload,
+                    plans,
+                    replay.result.all_gathers,
+                    flops,
+                    flops_per_s,
+                    shard_size,
+                    replicate_size,
+                    shard_bw,
+                    repl_bw,
+                    host_bw,
+                    offload,
                 )
                 step = terms["compute"] + terms["exposed_comm"] + terms["offload"]
                 dominant = max(("compute", "exposed_comm", "offload"), key=lambda k: terms[k])
@@ -769,4 +795,3 @@ def _explain(cfg: FitConfig) -> list[str]:
 
 def _long(name: str | None) -> str:
     return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(name or "", str(name))
-
