@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardweave.fsdp._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardweave.fsdp._fully_shard import fully_shard
 from shardweave.fsdp.plan._model import PlanError
 
 __all__ = ["apply", "checkpoint_blocks"]
@@ -67,8 +69,6 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
         result = fit(build, mesh=2, sample_input=((4, 128), torch.long), budget="1GiB")
         model = apply(build(), result.best)
     """
-    from shardweave.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     cfg = getattr(fitted, "config", fitted)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
     mp = MixedPrecisionPolicy(

@@ -50,6 +50,7 @@ from torch.utils.flop_counter import flop_registry
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
 from shardweave.fsdp.plan._activations import SampleInput, fake_mode, run_fake_step
+from shardweave.fsdp.plan._apply import checkpoint_blocks
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
@@ -60,9 +61,9 @@ from shardweave.fsdp.plan._model import (
 from shardweave.fsdp.plan._plan import (
     BACKENDS,
     OPTIMIZER_STATES,
-    _group_plan,
-    _resolve_reshard,
+    group_plan,
     parse_mesh,
+    resolve_reshard,
 )
 from shardweave.fsdp.plan._report import format_bytes
 from shardweave.fsdp.plan._schedule import GroupTraffic, Replay
@@ -349,8 +350,6 @@ _TORCH_NN: Final = frozenset(n for n in dir(nn) if isinstance(getattr(nn, n), ty
 
 def _checkpoint_forwards(model: nn.Module, wrap: str, every: int) -> None:
     """Activation checkpointing as ``apply`` installs it (see ``_apply``)."""
-    from shardweave.fsdp.plan._apply import checkpoint_blocks
-
     checkpoint_blocks(model, wrap, every)
 
 
@@ -654,8 +653,8 @@ def _traffic(
     plans: list[Any] = []
     for spec in specs:
         is_root = spec.key == ROOT_KEY
-        mode = _resolve_reshard(root_reshard if is_root else reshard, shard_size, is_root)
-        gp, tr = _group_plan(
+        mode = resolve_reshard(root_reshard if is_root else reshard, shard_size, is_root)
+        gp, tr = group_plan(
             spec, mode, shard_size, mp, states, replicate_size > 1, backend == "gloo", offload
         )
         plans.append(gp)
