@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -74,5 +73,3 @@ def test_fit_top3_train_within_budget(world2: WorkerPool) -> None:
                 measured,
                 fitted.peak_bytes,
             )
-
-
