@@ -167,15 +167,20 @@ class FitConfig:
     reduce_scatter_max_input_buffers: int = 1
 
     def describe(self) -> str:
-        ac = {0: "none", 1: "every block"}.get(
-            self.checkpoint_every, f"every {self.checkpoint_every}th"
-        )
+        ac = _every(self.checkpoint_every)
         return (
             f"wrap={self.wrap or '-'} reshard={self.reshard_after_forward} "
             f"root_reshard={self.root_reshard_after_forward} "
             f"mp={self.param_dtype or 'fp32'}/{self.reduce_dtype or self.param_dtype or 'fp32'} "
             f"checkpoint={ac} offload={self.offload}"
         )
+
+
+def _every(k: int) -> str:
+    if k <= 1:
+        return "none" if k == 0 else "every block"
+    suffix = {2: "nd", 3: "rd"}.get(k % 10 if k % 100 not in (12, 13) else 0, "th")
+    return f"every {k}{suffix} block"
 
 
 @dataclass(frozen=True)
@@ -513,9 +518,7 @@ def fit(
         "mixed_precision (param, reduce)": [
             [p or "model dtype", r or p or "model dtype"] for p, r in precisions
         ],
-        "activation_checkpointing": [
-            {0: "none", 1: "every block"}.get(k, f"every {k}th block") for k in checkpoint_choices
-        ],
+        "activation_checkpointing": [_every(k) for k in checkpoint_choices],
         "cpu_offload": list(offload_choices),
         "not searched (fixed)": {
             "forward_prefetch": 0,
@@ -777,7 +780,7 @@ def _explain(cfg: FitConfig) -> list[str]:
     if cfg.wrap:
         if cfg.checkpoint_every:
             out.append(
-                f"checkpoint the forward of every {cfg.checkpoint_every}-th {cfg.wrap} "
+                f"checkpoint the forward of {_every(cfg.checkpoint_every)} of class {cfg.wrap} "
                 "(torch.utils.checkpoint, use_reentrant=False)"
             )
         out.append(f"for m in model.modules(): if type(m).__name__ == {cfg.wrap!r}:")
