@@ -217,3 +217,27 @@ def test_cli_json_and_nothing_fits(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "nothing fits" in capsys.readouterr().out
     assert main([*base, "--fit", "lots"]) == 2
     assert "cannot read the budget" in capsys.readouterr().err
+
+
+def test_candidates_prefer_own_blocks_and_cover_an_mlp_stack() -> None:
+    """Repeated classes with parameters, the model's own before torch's leaf layers; a plain
+    nn.Sequential stack falls back to its Linear layers."""
+    r = fit(
+        Net,
+        mesh=4,
+        sample_input=SAMPLE,
+        budget="1GiB",
+        checkpoint_choices=(0,),
+        offload_choices=(False,),
+    )
+    assert r.search_space["wrap"] == ["Block", "(root only)"]
+    m = fit(
+        mlp_stack,
+        mesh=4,
+        sample_input=((8, 12), torch.float32),
+        budget="1GiB",
+        checkpoint_choices=(0, 1),
+        offload_choices=(False,),
+    )
+    assert m.search_space["wrap"] == ["Linear", "(root only)"]
+    assert m.kept and m.kept[0].peak_bytes <= m.budget_bytes
