@@ -47,7 +47,7 @@ def checkpoint_blocks(model: nn.Module, wrap: str, every: int) -> list[nn.Module
         def run(*args: Any, _block: nn.Module = block, _fwd: Any = forward, **kwargs: Any) -> Any:
             return checkpoint(functools.partial(_fwd, _block), *args, use_reentrant=False, **kwargs)
 
-        block.forward = run  # type: ignore[method-assign]
+        block.forward = run
     return chosen
 
 

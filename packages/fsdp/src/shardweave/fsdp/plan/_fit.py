@@ -33,6 +33,7 @@ Design note: the step-time estimate (docs/plan.md, "Make it fit", defines each t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -320,8 +321,7 @@ def _play(replay: Replay, events: Sequence[tuple[Any, ...]]) -> None:
         if name == "bytes":
             replay.bytes[ev[1]] += ev[2]
         elif name == "post_backward":
-            nested = ev[2]
-            replay.post_backward(ev[1], free_grads=lambda n=nested: _play(replay, n))
+            replay.post_backward(ev[1], free_grads=functools.partial(_play, replay, ev[2]))
         else:
             getattr(replay, name)(*ev[1:])
 
@@ -614,6 +614,7 @@ def fit(
                     repl_bw,
                     host_bw,
                     offload,
+                    shard_link_bytes_per_s or dev.intra_node_bytes_per_s,
                 )
                 step = terms["compute"] + terms["exposed_comm"] + terms["offload"]
                 dominant = max(("compute", "exposed_comm", "offload"), key=lambda k: terms[k])
@@ -676,6 +677,7 @@ def _time_terms(
     repl_bw: float,
     host_bw: float,
     offload: bool,
+    intra_bw: float,
 ) -> dict[str, float]:
     ring = (shard_size - 1) / shard_size if shard_size > 1 else 0.0
     ar_ring = 2 * (replicate_size - 1) / replicate_size if replicate_size > 1 else 0.0
@@ -684,6 +686,12 @@ def _time_terms(
     for g in plans:
         n_ag = all_gathers.get(g.key, 0) if shard_size > 1 else 0
         ag = n_ag * g.gathered_bytes * ring / shard_bw
+        mode = g.reshard_after_forward
+        if n_ag >= 2 and not isinstance(mode, bool) and mode > 1:
+            # The backward all-gather of an int reshard_after_forward N gathers the post-forward
+            # shards within groups of N ranks (a node when N is the node size): its own link.
+            ag -= g.gathered_bytes * ring / shard_bw
+            ag += g.gathered_bytes * (mode - 1) / mode / intra_bw
         rs = (g.reduce_scatter_bytes * ring / shard_bw) if g.trainable_numel else 0.0
         ar = (g.all_reduce_bytes * ar_ring / repl_bw) if g.trainable_numel else 0.0
         comm += ag + rs + ar
