@@ -376,8 +376,22 @@ def _flops_and_trace(
         _checkpoint_forwards(model, wrap, every)
     rec = _RecordingReplay(traffic, keep_timeline=False)
     counter = _FlopCounter()
-    with counter:
-        run_fake_step(model, mode, specs, rec, sample, loss_fn, param_dtype)
+    try:
+        with counter:
+            run_fake_step(model, mode, specs, rec, sample, loss_fn, param_dtype)
+    except PlanError as exc:
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+        )
+
+        if isinstance(exc.__cause__, (DynamicOutputShapeException, DataDependentOutputException)):
+            raise PlanError(
+                f"fit: the model's forward has an operator whose output shape depends on the "
+                f"data ({exc.__cause__}; e.g. mixture-of-experts routing with nonzero), which a "
+                "fake-tensor step cannot run; the sample input is not at fault"
+            ) from exc.__cause__
+        raise
     return rec.events, float(counter.flops)
 
 
