@@ -6,6 +6,8 @@ import sys
 import types
 from typing import Any
 
+from shardweave.fsdp.plan._apply import apply
+from shardweave.fsdp.plan._fit import FitConfig, FitResult, Fitted, fit, format_fit, parse_budget
 from shardweave.fsdp.plan._model import PlanError
 from shardweave.fsdp.plan._plan import plan
 from shardweave.fsdp.plan._report import format_table
@@ -14,12 +16,19 @@ from shardweave.fsdp.plan._schedule import TimelineRecord
 
 __all__ = [
     "ActivationPlan",
+    "FitConfig",
+    "FitResult",
+    "Fitted",
     "GroupPlan",
     "ParamPlan",
     "Plan",
     "PlanError",
     "TimelineRecord",
+    "apply",
+    "fit",
+    "format_fit",
     "format_table",
+    "parse_budget",
     "plan",
 ]
 

@@ -99,6 +99,24 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="sharded gradients stay between steps (zero_grad(set_to_none=False))",
     )
+    p.add_argument(
+        "--fit",
+        default=None,
+        metavar="BUDGET",
+        help="make it fit: search configurations whose peak fits BUDGET per rank (bytes, or "
+        "24GiB / 24G = 2^30-based, 24GB = 10^9-based) and rank them by estimated step time; "
+        "needs --sample-input; --wrap names the classes to try (default: the repeated blocks)",
+    )
+    p.add_argument(
+        "--allow-lower-precision",
+        action="store_true",
+        help="--fit: also try bf16 parameters (fp32 or bf16 reductions)",
+    )
+    p.add_argument("--device", default="h100", help="--fit time model: h100 or a100")
+    p.add_argument("--device-flops", type=float, default=None, help="override FLOP/s")
+    p.add_argument("--shard-link", type=float, default=None, help="override bytes/s")
+    p.add_argument("--replicate-link", type=float, default=None, help="override bytes/s")
+    p.add_argument("--host-link", type=float, default=None, help="override bytes/s")
     p.add_argument("--json", default=None, help="write the plan as JSON to this path")
     p.add_argument("--timeline", action="store_true", help="include the event timeline in JSON")
     p.add_argument("--quiet", action="store_true", help="no table on stdout")
@@ -107,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.fit is not None:
+        return _main_fit(args)
     try:
         result = plan(
             _load_factory(args.model),
@@ -135,6 +155,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quiet:
         print(format_table(result))
     return 0
+
+
+def _main_fit(args: argparse.Namespace) -> int:
+    from shardweave.fsdp.plan._fit import DEVICES, fit, format_fit
+
+    try:
+        sample = _parse_sample(args.sample_input)
+        if sample is None:
+            raise PlanError("--fit needs --sample-input SHAPE[:DTYPE] (activations decide it)")
+        if args.device not in DEVICES:
+            raise PlanError(f"--device must be one of {sorted(DEVICES)}, got {args.device!r}")
+        result = fit(
+            _load_factory(args.model),
+            mesh=args.mesh,
+            sample_input=sample,
+            budget=args.fit,
+            wrap=args.wrap,
+            allow_lower_precision=args.allow_lower_precision,
+            optimizer=args.optimizer,
+            backend=args.backend,
+            device=args.device,
+            device_flops=args.device_flops,
+            shard_link_bytes_per_s=args.shard_link,
+            replicate_link_bytes_per_s=args.replicate_link,
+            host_link_bytes_per_s=args.host_link,
+        )
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+    if not args.quiet:
+        print(format_fit(result))
+    return 0 if result.kept else 1
 
 
 if __name__ == "__main__":

@@ -624,3 +624,8 @@ def _rank_rows(
             "peak_tensor_bytes": peak_less_opt + opt_last,
         },
     }
+
+
+# Public names for ``_fit``, which builds each searched configuration's traffic the same way.
+group_plan = _group_plan
+resolve_reshard = _resolve_reshard

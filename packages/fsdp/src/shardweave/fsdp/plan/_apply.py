@@ -1,0 +1,91 @@
+"""``apply(model, fitted)``: ``fully_shard`` a model as ``fit`` planned it (wrapping, reshard,
+mixed precision, CPU offload, activation checkpointing).
+
+Activation checkpointing replaces the chosen blocks' ``forward`` by an instance attribute that
+runs the class's forward under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. No
+wrapper module is inserted, so parameter FQNs (and state-dict keys) are those of the plain
+model, and ``fully_shard``'s hooks stay on the block itself, outside the checkpointed region:
+a recompute in backward runs after the block's pre-backward unshard, with no hook of its own
+(as ``checkpoint_wrapper`` under ``fully_shard`` behaves, without the ``_checkpoint_wrapped_module``
+prefix in every name). The fake step of ``fit`` installs the same thing, so the planned peak
+and FLOPs include the recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardweave.fsdp._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardweave.fsdp._fully_shard import fully_shard
+from shardweave.fsdp.plan._model import PlanError
+
+__all__ = ["apply", "checkpoint_blocks"]
+
+
+def _blocks(model: nn.Module, wrap: str) -> list[nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if m is not model
+        and (type(m).__name__ == wrap or f"{type(m).__module__}.{type(m).__qualname__}" == wrap)
+    ]
+
+
+def checkpoint_blocks(model: nn.Module, wrap: str, every: int) -> list[nn.Module]:
+    """Checkpoint the forward of the 1st, (1+every)th, ... block of class ``wrap``."""
+    if every < 1:
+        return []
+    chosen = _blocks(model, wrap)[::every]
+    for block in chosen:
+        forward = type(block).forward
+
+        def run(*args: Any, _block: nn.Module = block, _fwd: Any = forward, **kwargs: Any) -> Any:
+            return checkpoint(functools.partial(_fwd, _block), *args, use_reentrant=False, **kwargs)
+
+        block.forward = run
+    return chosen
+
+
+def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
+    """Apply ``fitted`` (a ``Fitted`` from ``fit(...).kept``, or its ``FitConfig``) to
+    ``model``: checkpointing first, then ``fully_shard`` on every block of the planned class
+    (inner first) and on the root, with the planned mixed precision and offload policies.
+
+    Args:
+        model: the model to shard (materialized, or on meta to be initialized after).
+        fitted: ``FitResult.best`` / any row of ``kept``, or a ``FitConfig``.
+        mesh: the ``DeviceMesh`` for ``fully_shard`` (default: the world, as ``fully_shard``).
+
+    Returns:
+        ``model``, now an ``FSDPModule``.
+
+    Example::
+
+        result = fit(build, mesh=2, sample_input=((4, 128), torch.long), budget="1GiB")
+        model = apply(build(), result.best)
+    """
+    cfg = getattr(fitted, "config", fitted)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
+    mp = MixedPrecisionPolicy(
+        param_dtype=dtypes[cfg.param_dtype], reduce_dtype=dtypes[cfg.reduce_dtype]
+    )
+    offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()
+    kwargs: dict[str, Any] = {"mp_policy": mp, "offload_policy": offload}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    if cfg.wrap is not None:
+        blocks = _blocks(model, cfg.wrap)
+        if not blocks:
+            names = sorted({type(m).__name__ for m in model.modules()})
+            raise PlanError(f"apply: no module of class {cfg.wrap!r} in the model; has {names}")
+        if cfg.checkpoint_every:
+            checkpoint_blocks(model, cfg.wrap, cfg.checkpoint_every)
+        for block in reversed(blocks):  # inner (later in pre-order) first
+            fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=cfg.root_reshard_after_forward, **kwargs)
+    return model

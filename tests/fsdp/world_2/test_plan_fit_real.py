@@ -1,0 +1,15 @@
+"""``fit`` against real training on 2 ranks (``tests/fsdp/_plan_fit_real``).
+
+Oracle: *measurement*: the top three configurations for a budget below the default's peak,
+applied with ``apply``, train; each rank's measured peak fits the budget and is within 10% of
+the prediction.
+"""
+
+from __future__ import annotations
+
+from tests._dist import WorkerPool
+from tests.fsdp._plan_fit_real import check_top
+
+
+def test_fit_top3_train_within_budget_world2(world2: WorkerPool) -> None:
+    check_top(world2, 2, top=3)
