@@ -118,13 +118,14 @@ def _refusing_method(name: str) -> Any:
 
 def unimplemented_torch_methods(cls: type) -> list[str]:
     """The methods of torch's ``FSDPModule`` that, on ``cls``, reach the guard's stand-in."""
-    guards = [c for c in cls.__mro__ if issubclass(c, TorchMethodGuard) and c is not TorchMethodGuard]
+    guards = [
+        c for c in cls.__mro__ if issubclass(c, TorchMethodGuard) and c is not TorchMethodGuard
+    ]
     return sorted(
         name
         for guard in guards
         for name in vars(guard)
-        if not name.startswith("__")
-        and next(c for c in cls.__mro__ if name in vars(c)) is guard
+        if not name.startswith("__") and next(c for c in cls.__mro__ if name in vars(c)) is guard
     )
 
 
