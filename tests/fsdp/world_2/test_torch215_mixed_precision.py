@@ -283,3 +283,20 @@ def test_new_reduce_dtypes_are_race_free_on_accelerator_branches(
     for result in world2.run(sanitized, override):
         assert isinstance(result, dict)
         assert not result["races"] and not result["unsafe"], result
+
+
+def explicit_grad_dtype(rank: int, world: int) -> None:
+    model = nn.Linear(2, 2)
+    model.weight.grad_dtype = torch.float64
+    with pytest.raises(NotImplementedError, match="explicit grad_dtype"):
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+
+
+@pytest.mark.skipif(
+    not hasattr(nn.Parameter(torch.ones(1)), "_has_grad_dtype_override"),
+    reason="parameters have no explicit-grad_dtype flag before torch 2.15",
+)
+def test_explicit_grad_dtype_is_refused_on_every_rank(world2: WorkerPool) -> None:
+    """Not supported yet: torch 2.15 reduces in an explicit ``Parameter.grad_dtype``; we raise a
+    clear NotImplementedError on every rank at fully_shard rather than reduce in another dtype."""
+    world2.run(explicit_grad_dtype)

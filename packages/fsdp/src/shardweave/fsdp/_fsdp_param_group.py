@@ -60,7 +60,7 @@ from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
 from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
 from shardweave.fsdp._seam import InFlight, issue
 from shardweave.fsdp._sharding_rules import group_reduce_dtype
-from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
+from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE, has_grad_dtype_override
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
@@ -156,6 +156,15 @@ class FSDPParamGroup:
         # as torch 2.15 does), before any parameter is replaced: a bad answer raises on every
         # rank before anything is sharded.
         param_policies = [mp_policy.for_param(param) for param in params]
+        for param, info in zip(params, infos, strict=True):
+            if has_grad_dtype_override(param):
+                # torch 2.15 would reduce in it; silently reducing in another dtype would not
+                # be the same training
+                raise NotImplementedError(
+                    f"fully_shard: parameter '{info.param_name}' of {type(info.module).__name__} "
+                    f"has an explicit grad_dtype ({param.grad_dtype}), which shardweave does not "
+                    "support yet; use MixedPrecisionPolicy(reduce_dtype=...) instead"
+                )
         self.fsdp_params = [
             FSDPParam(
                 param,
