@@ -123,15 +123,20 @@ def _mesh(cfg: dict[str, Any], world: int) -> DeviceMesh:
 def wrap_scenario(model: nn.Module, cfg: dict[str, Any], world: int, engine: str = "ours") -> None:
     """Shard ``model`` as ``cfg`` says, with our engine or (``engine="torch"``) torch's."""
     shard: Any = fully_shard
+    mp_cls: Any = MixedPrecisionPolicy
+    offload_cls: Any = CPUOffloadPolicy
     if engine == "torch":
+        # torch's own policy objects: torch 2.15's fully_shard calls a private method on them
+        from torch.distributed.fsdp import CPUOffloadPolicy as offload_cls
+        from torch.distributed.fsdp import MixedPrecisionPolicy as mp_cls
         from torch.distributed.fsdp import fully_shard as shard
     kwargs: dict[str, Any] = {"mesh": _mesh(cfg, world)}
     if cfg.get("mp"):
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
+        kwargs["mp_policy"] = mp_cls(
             param_dtype=torch.bfloat16, reduce_dtype=cfg.get("reduce_dtype", torch.float32)
         )
     if cfg.get("offload"):
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+        kwargs["offload_policy"] = offload_cls(pin_memory=False)
     if cfg.get("replicate"):
         if engine == "torch":
             from torch.distributed._composable.replicate_with_fsdp import (

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
 from shardweave.fsdp._fsdp_state import get_fsdp_state
+from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from shardweave.fsdp.plan import Plan, PlanError, format_table, plan
 from tests._dist import WorkerPool
 from tests.fsdp._models import Block, TinyGPT, loss_fn, make_batch, make_model
@@ -97,7 +98,9 @@ def test_mixed_precision_dtypes() -> None:
     assert p.sharded_param_bytes == 22 * F32  # shards stay fp32
     assert p.peak_gathered_param_bytes == 4 * 22 * BF16
     assert p.unsharded_grad_bytes == 77 * BF16
-    assert p.comm_bytes["reduce_scatter"] == 4 * 22 * BF16
+    # reduce_dtype=None: in the parameters' dtype from torch 2.15, in param_dtype before
+    default = F32 if REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE else BF16
+    assert p.comm_bytes["reduce_scatter"] == 4 * 22 * default
     q = plan(
         lambda: nn.Linear(10, 7),
         mesh=4,

@@ -23,7 +23,8 @@ AVG, SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
 def test_policy_defaults_match_torch() -> None:
     ours = {f.name: f.default for f in dataclasses.fields(MixedPrecisionPolicy)}
     theirs = {f.name: f.default for f in dataclasses.fields(TorchMixedPrecisionPolicy)}
-    assert ours == theirs
+    # torch 2.15's param_dtype_override_fn is offered on every torch (default None)
+    assert ours == theirs | {"param_dtype_override_fn": None}
     assert CPUOffloadPolicy().pin_memory == TorchCPUOffloadPolicy().pin_memory
     assert isinstance(CPUOffloadPolicy(), OffloadPolicy)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -70,3 +71,23 @@ def test_gradient_divide_factors(
 def test_custom_factor_uses_premul_sum() -> None:
     *_, rs_op, ar_op = gradient_divide_factors(2, 1, torch.float32, 3.0, False)
     assert rs_op not in (AVG, SUM) and ar_op == SUM  # PREMUL_SUM(1/3), NCCL only
+
+
+def test_param_dtype_override_fn_resolves_as_torch_2_15() -> None:
+    """Oracle: closed form (torch 2.15's documented rule): None or param_dtype -> param_dtype,
+    the parameter's own dtype -> kept, anything else -> ValueError; keyword-only."""
+    p = torch.nn.Parameter(torch.ones(2))
+    for answer, expected in ((None, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                             (torch.float32, torch.float32)):  # fmt: skip
+        policy = MixedPrecisionPolicy(torch.bfloat16, param_dtype_override_fn=lambda _, a=answer: a)
+        assert policy.resolve_param_dtype(p) == expected
+        assert policy.for_param(p).param_dtype == expected
+        assert policy.for_param(p).param_dtype_override_fn is None
+    for bad in (torch.float16, "fp32", 32):
+        policy = MixedPrecisionPolicy(torch.bfloat16, param_dtype_override_fn=lambda _, a=bad: a)
+        with pytest.raises(ValueError, match="param_dtype_override_fn must return"):
+            policy.resolve_param_dtype(p)
+    with pytest.raises(TypeError):
+        MixedPrecisionPolicy(None, None, None, True, None)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="callable"):
+        MixedPrecisionPolicy(param_dtype_override_fn=torch.float32)  # type: ignore[arg-type]

@@ -10,12 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardweave.fsdp._sharding_rules import (
+    group_reduce_dtype,
     padded_shard_size,
     reduce_dtype,
     resolve_dtypes,
     shard_size,
     unsharded_dtype,
 )
+from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 
 
 @settings(max_examples=200, deadline=None)
@@ -45,4 +47,16 @@ def test_dtype_rules() -> None:
     assert resolve_dtypes(f32, f32, None) == (None, None)  # param equal to orig: dropped
     assert resolve_dtypes(i64, bf16, None) == (None, None)  # integers are never cast
     assert unsharded_dtype(f32, bf16) == bf16 and unsharded_dtype(i64, bf16) == i64
-    assert reduce_dtype(f32, bf16, None) == bf16 and reduce_dtype(f32, bf16, f32) == f32
+    assert reduce_dtype(f32, bf16, f32) == f32
+    # reduce_dtype=None: the parameter's own dtype from torch 2.15, param_dtype before
+    default = f32 if REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE else bf16
+    assert reduce_dtype(f32, bf16, None) == default
+    assert resolve_dtypes(f32, bf16, None) == (
+        bf16,
+        f32 if REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE else None,
+    )
+    # one group, bf16 and fp32 gradients (param_dtype_override_fn): their promoted dtype
+    assert group_reduce_dtype([(f32, bf16, None), (f32, None, None)]) == f32
+    assert group_reduce_dtype([(f32, bf16, None), (f32, bf16, None)]) is None
+    assert group_reduce_dtype([(f32, bf16, f32), (f32, None, f32)]) == f32
+    assert group_reduce_dtype([]) is None

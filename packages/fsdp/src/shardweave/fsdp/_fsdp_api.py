@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
@@ -40,11 +41,19 @@ class MixedPrecisionPolicy:
     Args:
         param_dtype: all-gather and compute in this dtype (halves all-gather bytes for bf16 over
             fp32, at the cost of compute precision). ``None`` keeps the original dtype.
-        reduce_dtype: reduce gradients in this dtype; e.g. fp32 with ``param_dtype=bfloat16`` keeps
-            full-precision reduction at twice the reduce-scatter bytes. ``None`` uses the
-            gradient's dtype (``param_dtype`` if set).
+        reduce_dtype: reduce gradients (and accumulate them while gradient sync is off) in this
+            dtype; e.g. fp32 with ``param_dtype=bfloat16`` keeps full-precision reduction at
+            twice the reduce-scatter bytes. ``None`` follows the installed torch: from torch
+            2.15 the parameter's original dtype (fp32 for fp32 parameters, whatever
+            ``param_dtype`` is); before 2.15 the gradient's dtype (``param_dtype`` if set). A
+            group whose gradients differ in dtype reduces in their promoted dtype.
         output_dtype: floating-point outputs of the module are cast to this dtype.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        param_dtype_override_fn: keyword-only; called once per managed parameter at
+            ``fully_shard`` time. ``None`` or ``param_dtype`` keeps the default; the parameter's
+            own dtype keeps that parameter unconverted (e.g. norms in fp32 next to bf16
+            weights, in one all-gather); anything else raises ``ValueError``. Forward inputs
+            are still cast to ``param_dtype``. It must answer the same on every rank.
 
     Example::
 
@@ -55,6 +64,39 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    # torch 2.15's field; offered on every torch since the all-gather is ours
+    param_dtype_override_fn: Callable[[torch.nn.Parameter], torch.dtype | None] | None = field(
+        default=None, kw_only=True
+    )
+
+    def resolve_param_dtype(self, param: torch.nn.Parameter) -> torch.dtype | None:
+        """The ``param_dtype`` for ``param``: the default, or what ``param_dtype_override_fn``
+        answers for it (checked as torch 2.15 checks it, with the same ``ValueError``)."""
+        if self.param_dtype_override_fn is None:
+            return self.param_dtype
+        override = self.param_dtype_override_fn(param)
+        if override is None:
+            return self.param_dtype
+        if not isinstance(override, torch.dtype):
+            raise ValueError(
+                "param_dtype_override_fn must return a torch.dtype or None, got "
+                f"{type(override)} ({override!r:.60})"
+            )
+        if override not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                "param_dtype_override_fn must return None, param_dtype, or the parameter's "
+                f"original dtype, got {override} for a parameter of dtype {param.dtype} with "
+                f"param_dtype {self.param_dtype}"
+            )
+        return override
+
+    def for_param(self, param: torch.nn.Parameter) -> MixedPrecisionPolicy:
+        """This policy as it applies to ``param``: its resolved ``param_dtype``, no callable."""
+        if self.param_dtype_override_fn is None:
+            return self
+        return dataclasses.replace(
+            self, param_dtype=self.resolve_param_dtype(param), param_dtype_override_fn=None
+        )
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -70,6 +112,12 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy.{name} must be a floating-point dtype, got {value}; "
                     f"use e.g. {name}=torch.bfloat16, or None to keep the parameters' dtype"
                 )
+        fn = self.param_dtype_override_fn
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"MixedPrecisionPolicy.param_dtype_override_fn must be callable or None, got "
+                f"{fn!r:.60}"
+            )
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(
                 "MixedPrecisionPolicy.cast_forward_inputs must be a bool, "
@@ -115,6 +163,18 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+def policy_repr(policy: MixedPrecisionPolicy) -> str:
+    """``repr(policy)`` that is the same on every rank: a ``param_dtype_override_fn`` shows as
+    its name only (its answers, the per-parameter dtypes, are compared instead of its address)."""
+    fn = policy.param_dtype_override_fn
+    if fn is None:
+        return repr(policy)
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    return repr(dataclasses.replace(policy, param_dtype_override_fn=None)).replace(
+        "param_dtype_override_fn=None", f"param_dtype_override_fn=<{name}>"
+    )
 
 
 if TYPE_CHECKING:

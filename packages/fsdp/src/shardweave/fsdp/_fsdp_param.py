@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
 from shardweave.fsdp._fsdp_common import (
     ShardedState,
     alloc_storage,
@@ -26,7 +27,6 @@ from shardweave.fsdp._spmd_types import SpmdTypesHandler, as_storage_param
 from shardweave.mesh import FSDPMeshInfo
 
 if TYPE_CHECKING:
-    from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
     from shardweave.mesh import DataParallelMeshInfo
     from shardweave.mesh.extension_points import ParamHandler
 
@@ -190,6 +190,9 @@ class FSDPParam:
         self.param_fqn = f"{type(module_info.module).__name__}.{module_info.param_name}"
         self.param_dtype = None
         self.reduce_dtype = None
+        # The group's policy as it applies to this parameter (its param_dtype resolved through
+        # param_dtype_override_fn, at fully_shard time); the group sets it after construction.
+        self.mp_policy = MixedPrecisionPolicy()
         self._unsharded_param = None
         self._sharded_post_forward_data = None
         self._sharded_post_forward_param: nn.Parameter | None = None
@@ -674,6 +677,25 @@ class FSDPParam:
         ):
             self.unsharded_accumulated_grad += self._unsharded_param.grad
             self._unsharded_param.grad = None
+
+    def set_unsharded_grad_dtype(self, sync: bool) -> None:
+        """torch 2.15 (``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE``): the dtype autograd gives this
+        parameter's gradient when it reduces or accumulates in a wider dtype than it computes
+        in. A first gradient of a backward without sync (``sync`` False, nothing accumulated)
+        is made in the wide dtype, so the uses of a parameter used twice (tied) are summed
+        there; with sync, or onto an accumulated gradient, it stays in the compute dtype (the
+        copy-in or the accumulation casts it). Set at every backward's start (pre-backward)."""
+        param, wide = self._unsharded_param, self.reduce_dtype
+        if (
+            param is None
+            or not param.requires_grad
+            or wide is None
+            or not wide.is_floating_point
+            or wide.itemsize <= self.unsharded_dtype.itemsize
+        ):
+            return
+        accumulated = param.grad is not None or self.unsharded_accumulated_grad is not None
+        param.grad_dtype = None if sync or accumulated else wide
 
     def to_accumulated_grad_if_needed(self) -> None:
         """Keep accumulating in ``reduce_dtype`` rather than the (lower) compute dtype."""

@@ -44,6 +44,7 @@ from shardweave.fsdp._fsdp_api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ReduceScatter,
+    policy_repr,
 )
 from shardweave.fsdp._fsdp_common import (
     CollectiveKind,
@@ -58,7 +59,9 @@ from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
 from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
 from shardweave.fsdp._seam import InFlight, issue
+from shardweave.fsdp._sharding_rules import group_reduce_dtype
 from shardweave.fsdp._spmd_types import outside_typecheck, register_local_function
+from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE, has_grad_dtype_override
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
@@ -154,6 +157,19 @@ class FSDPParamGroup:
         offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.offload_policy = offload_policy
         infos = param_module_infos(params, modules)
+        # ``param_dtype_override_fn`` is asked once per parameter, here (at fully_shard time,
+        # as torch 2.15 does), before any parameter is replaced: a bad answer raises on every
+        # rank before anything is sharded.
+        param_policies = [mp_policy.for_param(param) for param in params]
+        for param, info in zip(params, infos, strict=True):
+            if has_grad_dtype_override(param):
+                # torch 2.15 would reduce in it; silently reducing in another dtype would not
+                # be the same training
+                raise NotImplementedError(
+                    f"fully_shard: parameter '{info.param_name}' of {type(info.module).__name__} "
+                    f"has an explicit grad_dtype ({param.grad_dtype}), which shardweave does not "
+                    "support yet; use MixedPrecisionPolicy(reduce_dtype=...) instead"
+                )
         self.fsdp_params = [
             FSDPParam(
                 param,
@@ -167,6 +183,8 @@ class FSDPParamGroup:
             )
             for param, info, placement in zip(params, infos, shard_placements, strict=True)
         ]
+        for fsdp_param, policy in zip(self.fsdp_params, param_policies, strict=True):
+            fsdp_param.mp_policy = policy
         self.comm_ctx = FSDPCommContext()
         self._training_state = TrainingState.IDLE
         self._sharded_state = ShardedState.SHARDED
@@ -366,8 +384,8 @@ class FSDPParamGroup:
 
     def _init_mp_dtypes(self) -> None:
         for p in self.fsdp_params:
-            p.init_dtype_attrs(self.mp_policy)
-            p.detect_extension(self.mp_policy)
+            p.init_dtype_attrs(p.mp_policy)
+            p.detect_extension(p.mp_policy)
         trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
         orig = {p.orig_dtype for p in trainable}
         if len(orig) > 1:
@@ -375,13 +393,12 @@ class FSDPParamGroup:
                 f"FSDP expects uniform original parameter dtype but got {orig} in group "
                 f"'{self._fqn}'; cast the module to one dtype or split it into groups"
             )
-        reduce = {p.reduce_dtype for p in trainable}
-        if len(reduce) > 1:
-            raise AssertionError(
-                f"FSDP expects uniform reduce dtype but got {reduce} in group '{self._fqn}'"
-            )
         self._orig_dtype = next(iter(orig)) if trainable else None
-        self._reduce_dtype = next(iter(reduce)) if trainable else None
+        # Only a per-parameter param_dtype (param_dtype_override_fn) mixes the dtypes the
+        # gradients arrive in: one reduction in their promoted dtype, as torch 2.15 does.
+        self._reduce_dtype = group_reduce_dtype(
+            [(p.orig_dtype, p.param_dtype, p.reduce_dtype) for p in trainable]
+        )
         params = self.fsdp_params
         dtypes = {p.param_dtype for p in params}
         # The flat fast path casts the whole buffer at once, so every param must want the same.
@@ -659,6 +676,9 @@ class FSDPParamGroup:
         if self.unshard_in_backward:
             self.unshard(self.unshard_async_op)
             self.wait_for_unshard()
+        if REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE:
+            for p in self.fsdp_params:
+                p.set_unsharded_grad_dtype(self.reduce_grads)
         if default_prefetch:
             self._backward_prefetch()
 
@@ -874,13 +894,14 @@ class FSDPParamGroup:
             f"group {index} '{self._module_fqn}': {type(info).__name__} "
             f"shard={getattr(info, 'shard_mesh_size', 1)} "
             f"replicate={getattr(info, 'replicate_mesh_size', 1)} "
-            f"reshard_after_forward={post_desc} mp={self.mp_policy} "
+            f"reshard_after_forward={post_desc} mp={policy_repr(self.mp_policy)} "
             f"offload={type(self.offload_policy).__name__}"
         ]
         for p in self.fsdp_params:
             lines.append(
                 f"  param '{p.param_fqn}': shape={tuple(p.orig_size)} dtype={p.orig_dtype} "
-                f"requires_grad={p.sharded_param.requires_grad} shard_dim={p.shard_dim}"
+                f"requires_grad={p.sharded_param.requires_grad} shard_dim={p.shard_dim} "
+                f"param_dtype={p.param_dtype} reduce_dtype={p.reduce_dtype}"
             )
         return lines
 

@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from shardweave.fsdp import _fault, _trace, _watchdog
 from shardweave.fsdp._consistency import check_ranks_agree, describe_groups
+from shardweave.fsdp._fsdp_api import policy_repr
 from shardweave.fsdp._fsdp_common import (
     TrainingState,
     apply_to_tensors,
@@ -296,7 +297,7 @@ class FSDPState:
         nonce = check_ranks_agree(
             describe_groups(
                 [g.consistency_lines(i) for i, g in enumerate(groups)],
-                repr(self._mp_policy),
+                policy_repr(self._mp_policy),
                 self.api.name,
             ),
             self._mesh_info,

@@ -165,7 +165,9 @@ class GradientReduction:
         traced_bytes: int = 0,
     ) -> None:
         grad_dtypes = {g.dtype for g in grads}
-        if len(grad_dtypes) != 1:
+        # Mixed gradient dtypes (a per-parameter param_dtype) are cast to the group's reduce
+        # dtype by the copy-in; without one there is no dtype to reduce in.
+        if len(grad_dtypes) != 1 and reduce_dtype is None:
             names = ", ".join(p.param_fqn for p in fsdp_params)
             raise AssertionError(
                 f"FSDP reduce-scatter expects one gradient dtype per group, got {grad_dtypes} "
@@ -213,8 +215,8 @@ class GradientReduction:
     def bucket_key(self) -> tuple[Any, ...]:
         """What reductions must share to be one bucket: the all-reduce group, the reduce and
         gradient dtypes, the device."""
-        grad_dtype = self._sources[0].grads[0].dtype
-        return (self._ar_group, self._rdtype, grad_dtype, self._device)
+        grad_dtypes = frozenset(g.dtype for g in self._sources[0].grads)
+        return (self._ar_group, self._rdtype, grad_dtypes, self._device)
 
     @property
     def reduce_bytes(self) -> int:
@@ -326,6 +328,10 @@ class GradientReduction:
             for s in sources
             for p, g in zip(s.params, s.grads, strict=True)
         ]
+        if len({g.dtype for g in laid_out}) > 1:
+            # _chunk_cat takes one input dtype: cast the others first (exact for the widening
+            # casts a mixed group has, so the values are those of a cast inside the copy-in)
+            laid_out = [g if g.dtype == rdtype else g.to(rdtype) for g in laid_out]
         out_numel = sum(p.padded_sharded_numel for s in sources for p in s.params)
         current = streams.current()
         rs_input = self._rs_comm.allocate((world * out_numel,), dtype=rdtype, device=self._device)

@@ -7,17 +7,24 @@ every rank keeps a padded shard of ``ceil(n / W)`` rows (chunk 0, always the lar
 
 Dtypes: a ``param_dtype`` applies to floating-point parameters only and is dropped when it
 equals the parameter's own dtype; a ``reduce_dtype`` equal to the policy's ``param_dtype`` is
-dropped too (the gradient already arrives in it).
+dropped too (the gradient already arrives in it). With no ``reduce_dtype``, torch 2.15 reduces
+(and accumulates) in the parameter's own dtype (``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE``), earlier
+releases in the dtype the gradient arrives in; a group whose parameters end up with different
+reduce dtypes (only ``param_dtype_override_fn`` does that) reduces once, in their promoted dtype.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
+from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
+
 __all__ = [
     "chunk_rows",
+    "group_reduce_dtype",
     "padded_shard_size",
     "reduce_dtype",
     "resolve_dtypes",
@@ -48,6 +55,8 @@ def resolve_dtypes(
 ) -> tuple[torch.dtype | None, torch.dtype | None]:
     """The ``(param_dtype, reduce_dtype)`` a parameter really uses; ``None`` means "its own"
     (the original dtype for the all-gather, the gradient's dtype for the reduction)."""
+    if reduce is None and REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE and orig.is_floating_point:
+        reduce = orig  # torch 2.15: the gradient's own dtype policy, not the compute dtype
     if reduce == param_dtype:
         reduce = None  # the gradient already arrives in that dtype
     if param_dtype == orig or not orig.is_floating_point:
@@ -65,3 +74,18 @@ def reduce_dtype(
 ) -> torch.dtype:
     """The reduce-scatter dtype (the gradients arrive in the unsharded dtype)."""
     return resolve_dtypes(orig, param_dtype, policy_reduce)[1] or unsharded_dtype(orig, param_dtype)
+
+
+def group_reduce_dtype(
+    dtypes: Sequence[tuple[torch.dtype, torch.dtype | None, torch.dtype | None]],
+) -> torch.dtype | None:
+    """The one dtype a group reduces in, from each trainable parameter's
+    ``(orig, param_dtype, reduce_dtype)`` as ``resolve_dtypes`` left them; ``None`` when they
+    agree on "the gradient's own dtype"."""
+    resolved = {reduce for _, _, reduce in dtypes}
+    arriving = {reduce or param_dtype or orig for orig, param_dtype, reduce in dtypes}
+    if len(arriving) > 1:
+        return functools.reduce(torch.promote_types, arriving)
+    if len(resolved) == 1:
+        return next(iter(resolved))
+    return next(iter(arriving), None)

@@ -20,7 +20,11 @@ Rules:
 * ``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE`` (torch 2.15): with ``reduce_dtype=None`` gradients are
   reduced in the parameter's gradient dtype (its ``grad_dtype``, else its original dtype), no
   longer in ``param_dtype``; a group whose gradients differ in dtype reduces in their promoted
-  dtype.
+  dtype. Accumulation while gradient sync is off follows the same dtype (a backward's first
+  gradient is made in it, so the uses of a tied weight are summed in it).
+* torch 2.15 also reduces in a ``grad_dtype`` set explicitly on a parameter, which we do not
+  support yet: ``has_grad_dtype_override`` tells the engine to refuse it (False before 2.15,
+  where parameters have no such flag).
 
 * ``SPMD_TYPES_PARAMS`` (torch 2.14): with ``dp_mesh_dims``, a plain parameter annotated by the
   ``spmd_types`` package is accepted (stored as a DTensor on the SPMD mesh, computed on as a
@@ -44,6 +48,7 @@ __all__ = [
     "STATE_EXPOSES_ONE_GROUP",
     "TORCH_RELEASE",
     "all_gather_single",
+    "has_grad_dtype_override",
     "reduce_scatter_single",
 ]
 
@@ -88,3 +93,8 @@ def reduce_scatter_single(
     """This rank's reduced slice of every rank's ``input`` into ``output`` (2.13's name)."""
     fn: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return cast("dist.Work | None", fn(output, input, op=op, group=group, async_op=async_op))
+
+
+def has_grad_dtype_override(param: torch.Tensor) -> bool:
+    """Whether ``param.grad_dtype`` was set explicitly (torch 2.15's flag; never before)."""
+    return bool(getattr(param, "_has_grad_dtype_override", False))
