@@ -245,7 +245,7 @@ def compat(session: nox.Session, torch: str) -> None:
     for group, paths in groups.items():
         session.log(f"compat({torch}) group {group}: {' '.join(paths)}")
         try:
-            session.run("pytest", "-q", "-rs", *paths)
+            session.run("pytest", "-q", "-rfEs", *paths)
         except nox.command.CommandFailed:
             failed.append(group)
     if failed:
