@@ -265,18 +265,28 @@ def max_input_buffers_and_symm_mem(rank: int, world: int) -> None:
                 m.set_reduce_scatter_max_input_buffers(bad)  # type: ignore[operator]
     model, _ = _train_pair(rank, world, lambda m: m.set_reduce_scatter_max_input_buffers(3))  # type: ignore[operator]
     assert model._get_fsdp_state()._comm_ctx.reduce_scatter_max_input_buffers == 3  # type: ignore[operator]
-    types = []
+    types: list[type[BaseException] | None] = []
     for api in (torch_fully_shard, fully_shard):
         m = nn.Linear(2, 2)
         api(m)
-        with pytest.raises(Exception) as err:
+        try:
             m.set_symm_mem_for_comm()  # type: ignore[operator]
-        types.append(type(err.value))
-    assert issubclass(types[1], types[0]), types
+        except Exception as exc:  # the type is what is compared
+            types.append(type(exc))
+        else:
+            types.append(None)
+    # Ours refuses symmetric memory off CUDA on every torch. torch's refusal depends on its build,
+    # not its release: a CPU build has no NCCL symmetric-memory backend and raises here, a CUDA
+    # build (2.14.1 and 2.15.0 from the registry) accepts the call on a CPU module. Where torch
+    # refuses, ours raises the same type or a subclass.
+    assert types[1] is not None and issubclass(types[1], RuntimeError), types
+    if types[0] is not None:
+        assert issubclass(types[1], types[0]), types
 
 
 def test_max_input_buffers_and_symm_mem(world2: WorkerPool) -> None:
-    """Oracle: compatibility (validation errors; symmetric memory refused off CUDA/NCCL)."""
+    """Oracle: compatibility (validation errors; symmetric memory refused off CUDA/NCCL where
+    torch's build refuses it too)."""
     world2.run(max_input_buffers_and_symm_mem)
 
 
