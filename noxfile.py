@@ -6,6 +6,8 @@
                             torch's FSDP2 and ours in the same test
     nox -s demo             train a small GPT with fully_shard on 2 local CPU processes (torchrun)
     nox -s bench            timing scripts; never gates a merge
+    nox -s compat           the version matrix: parity, accelerator-branch and integration tests
+                            on torch 2.11.0, 2.14.1 and 2.15.0, e.g. nox -s "compat(torch='2.15.0')"
     nox -s gpu              on a machine with a CUDA GPU: the GPU kit's JSON report (tools/gpu_kit.py)
     nox -s docs             build the Sphinx docs into docs/_build/html, warnings as errors
     nox -s tests -- -k fsdp -x     arguments after -- go to pytest (or to the demo / bench script)
@@ -55,6 +57,52 @@ DEMO_REQUIREMENTS = ("./packages/fsdp[plot]", "numpy")
 # transformers for its own FSDP2 path (from_pretrained with a DistributedConfig).
 INTEGRATION_REQUIREMENTS = ("lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0")
 
+# The torch releases of the version matrix (`nox -s compat`) besides CI's 2.13.0: the oldest the
+# packages accept, the last 2.14 and the current release.
+COMPAT_TORCH = ("2.11.0", "2.14.1", "2.15.0")
+# This machine's pip configuration (/etc/xdg/pip) constrains torch to at most this release (what
+# lies on its disk); a newer torch installs only with that configuration left unread.
+PIP_CONSTRAINT_CAP = (2, 14, 1)
+# What `compat` runs, by group (paths under tests/; each test that needs an API its torch lacks
+# skips itself with the reason):
+# - parity: every test that checks our engine against torch's own `fully_shard` / `replicate`
+#   (bitwise, same seeds) or torch's public FSDPModule surface: training, policies, features and
+#   communication controls at world 2, training / HSDP at world 4, replicate, the extensions
+#   (FSDP x TP, subclass all-gather, SPMD meshes) and the version rules in _torch_compat;
+# - accelerator: the engine's accelerator branches under the stream sanitizer;
+# - integration: the frameworks (pinned), where their pins accept that torch (see
+#   COMPAT_INTEGRATION_TORCH).
+COMPAT_GROUPS: dict[str, tuple[str, ...]] = {
+    "parity": (
+        "tests/fsdp/world_1/test_torch_compat.py",
+        "tests/fsdp/world_1/test_torch_method_guard.py",
+        "tests/fsdp/world_2/test_torch_marker.py",
+        "tests/fsdp/world_2/test_training.py",
+        "tests/fsdp/world_2/test_policies_parity.py",
+        "tests/fsdp/world_2/test_features.py",
+        "tests/fsdp/world_2/test_comm_controls.py",
+        "tests/fsdp/world_2/test_grad_accumulation.py",
+        "tests/fsdp/world_2/test_frozen_params.py",
+        "tests/fsdp/world_2/test_state_dict.py",
+        "tests/fsdp/world_4/test_training.py",
+        "tests/fsdp/world_4/test_hsdp.py",
+        "tests/replicate",
+        "tests/extensions/world_2",
+        "tests/extensions/world_4",
+    ),
+    "accelerator": (
+        "tests/fsdp/world_2/test_accelerator_branches.py",
+        "tests/fsdp/world_4/test_accelerator_branches.py",
+        "tests/fsdp/world_2/test_stream_order.py",
+        "tests/fsdp/world_4/test_stream_order.py",
+    ),
+    "integration": ("tests/integration",),
+}
+# The torch releases the pinned frameworks (INTEGRATION_REQUIREMENTS) accept, checked with
+# `pip install --dry-run "torch==X" <pins>` (no other torch installed); on the others `compat`
+# leaves the integration group out and says so.
+COMPAT_INTEGRATION_TORCH = ("2.11.0", "2.14.1", "2.15.0")
+
 nox.options.default_venv_backend = "venv"
 # demo, bench, docs on request
 nox.options.sessions = ["tests", "typecheck", "lint", "isolated", "integration"]
@@ -103,11 +151,17 @@ def _closure(pkg: str) -> list[str]:
     return order
 
 
-def _install_torch(session: nox.Session) -> None:
+def _install_torch(session: nox.Session, default: str = DEFAULT_TORCH_SPEC) -> None:
     # First, so that the packages' `torch>=2.11,<2.16` is already satisfied when pip sees it.
-    spec = os.environ.get(TORCH_SPEC_ENV, "").strip() or DEFAULT_TORCH_SPEC
+    spec = os.environ.get(TORCH_SPEC_ENV, "").strip() or default
     # --no-compile: byte-compiling all of torch costs more than compiling what a run imports.
     session.install("--no-compile", *shlex.split(spec))
+
+
+def _above_pip_cap(version: str) -> bool:
+    """Whether torch ``version`` is newer than what this machine's pip constraint allows."""
+    release = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    return release > PIP_CONSTRAINT_CAP
 
 
 def _install_requirements_file(session: nox.Session, path: str) -> None:
@@ -154,6 +208,48 @@ def integration(session: nox.Session) -> None:
     # numpy: torch's object collectives on gloo; expecttest: torch's testing internals import it
     _install_all_packages(session, *TEST_DEPS, "numpy", "expecttest", *INTEGRATION_REQUIREMENTS)
     session.run("pytest", *(session.posargs or ["tests/integration"]))
+
+
+@nox.session(python=PYTHON, default=False)
+@nox.parametrize("torch", list(COMPAT_TORCH))
+def compat(session: nox.Session, torch: str) -> None:
+    """The version matrix: COMPAT_GROUPS' tests on one torch release (never a default session).
+
+    torch is installed first (SHARDWEAVE_TORCH_SPEC, when set, replaces "torch==<version>", as in
+    every session), then the four packages, the test plugin and the test deps as `tests` does,
+    and the pinned frameworks where COMPAT_INTEGRATION_TORCH lists the release. Arguments after
+    -- go to pytest instead of the groups' paths.
+    """
+    # A torch above this machine's pip constraint (/etc/xdg/pip) installs only when pip leaves
+    # that configuration unread; only for those releases, so the others keep the local mirrors.
+    if _above_pip_cap(torch):
+        session.env["PIP_CONFIG_FILE"] = os.devnull
+    _install_torch(session, default=f"torch=={torch}")
+    extra = [f"./{TEST_PLUGIN}"] if (ROOT / TEST_PLUGIN).is_dir() else []
+    frameworks = INTEGRATION_REQUIREMENTS if torch in COMPAT_INTEGRATION_TORCH else ()
+    _install_all_packages(
+        session, *extra, *TEST_DEPS, "numpy", "safetensors>=0.4", "matplotlib", "expecttest",
+        *frameworks,
+    )  # fmt: skip
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    if session.posargs:
+        session.run("pytest", *session.posargs)
+        return
+    groups = dict(COMPAT_GROUPS)
+    if not frameworks:
+        session.warn(f"torch {torch}: the pinned frameworks do not accept it; no integration")
+        groups.pop("integration")
+    # One pytest per group, so each group's counts are its own; every group runs even when
+    # one fails, and the session fails at the end.
+    failed = []
+    for group, paths in groups.items():
+        session.log(f"compat({torch}) group {group}: {' '.join(paths)}")
+        try:
+            session.run("pytest", "-q", "-rfEs", *paths)
+        except nox.command.CommandFailed:
+            failed.append(group)
+    if failed:
+        session.error(f"torch {torch}: failures in {', '.join(failed)}")
 
 
 @nox.session(python=PYTHON)

@@ -173,6 +173,21 @@ def wrap_scenario(model: nn.Module, cfg: dict[str, Any], world: int, engine: str
         model.set_all_reduce_hook(lambda g: g.mul_(0.5), stream=stream)  # type: ignore[operator]
 
 
+def torch_lacks(cfg: dict[str, Any]) -> str | None:
+    """Why torch's own engine cannot run ``cfg`` as the oracle on this torch, or None.
+
+    A capability, not a version: torch added ``set_reduce_scatter_max_input_buffers`` to its
+    ``FSDPModule`` after 2.11, and the oracle run calls it on torch's modules.
+    """
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    if "max_rs_buffers" in cfg and not hasattr(
+        TorchFSDPModule, "set_reduce_scatter_max_input_buffers"
+    ):
+        return "this torch's FSDPModule has no set_reduce_scatter_max_input_buffers (the oracle)"
+    return None
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 

@@ -102,6 +102,11 @@ def no_input_cast(rank: int, world: int) -> None:
         api(model, mp_policy=pol_cls(param_dtype=torch.bfloat16, cast_forward_inputs=False))
         with pytest.raises(RuntimeError):
             model(make_batch("mlp", 0))  # fp32 input into bf16 weights
+        if not hasattr(model, "reset_iter_state"):
+            # torch 2.11's FSDPModule has no reset_iter_state to recover from the failed
+            # forward; the refusal above is what is compared (ours always has it)
+            assert api is torch_fully_shard
+            continue
         model.reset_iter_state()  # type: ignore[operator]
         out = model(make_batch("mlp", 0).bfloat16())
         assert out.dtype == torch.bfloat16
