@@ -84,6 +84,12 @@ COMPAT_GROUPS: dict[str, tuple[str, ...]] = {
         "tests/fsdp/world_2/test_grad_accumulation.py",
         "tests/fsdp/world_2/test_frozen_params.py",
         "tests/fsdp/world_2/test_state_dict.py",
+        "tests/fsdp/world_2/test_torch215_mixed_precision.py",
+        "tests/fsdp/world_2/test_manual_finalization.py",
+        "tests/fsdp/world_2/test_keep_unsharded_storage.py",
+        "tests/fsdp/world_4/test_keep_unsharded_storage.py",
+        "tests/fsdp/world_2/test_spmd_types_params.py",
+        "tests/fsdp/world_1/test_lifetime.py",
         "tests/fsdp/world_4/test_training.py",
         "tests/fsdp/world_4/test_hsdp.py",
         "tests/replicate",
@@ -102,6 +108,11 @@ COMPAT_GROUPS: dict[str, tuple[str, ...]] = {
 # `pip install --dry-run "torch==X" <pins>` (no other torch installed); on the others `compat`
 # leaves the integration group out and says so.
 COMPAT_INTEGRATION_TORCH = ("2.11.0", "2.14.1", "2.15.0")
+# torchtitan 0.3.0 (tests/integration/world_2/test_torchtitan.py) needs torch 2.14 or newer and
+# triton, which PyPI's Linux torch wheels bring; the tests session's CPU build of 2.13 has
+# neither, so the test skips there and runs here.
+COMPAT_TORCHTITAN = ("torchtitan==0.3.0",)
+COMPAT_TORCHTITAN_TORCH = ("2.14.1", "2.15.0")
 
 nox.options.default_venv_backend = "venv"
 # demo, bench, docs on request
@@ -227,6 +238,8 @@ def compat(session: nox.Session, torch: str) -> None:
     _install_torch(session, default=f"torch=={torch}")
     extra = [f"./{TEST_PLUGIN}"] if (ROOT / TEST_PLUGIN).is_dir() else []
     frameworks = INTEGRATION_REQUIREMENTS if torch in COMPAT_INTEGRATION_TORCH else ()
+    if torch in COMPAT_TORCHTITAN_TORCH:
+        frameworks = (*frameworks, *COMPAT_TORCHTITAN, f"torch=={torch}")  # torch stays put
     _install_all_packages(
         session, *extra, *TEST_DEPS, "numpy", "safetensors>=0.4", "matplotlib", "expecttest",
         *frameworks,
