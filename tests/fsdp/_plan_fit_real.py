@@ -14,11 +14,19 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 from shardweave.fsdp.plan import FitConfig, FitResult, apply, fit
 from tests._dist import WorkerPool
-from tests.fsdp._plan_real import GPT_INPUT, WINDOW, _peak_in_window, gpt, loss_of, make_input
+from tests.fsdp._plan_real import (
+    GPT_INPUT,
+    WINDOW,
+    _peak_in_window,
+    gpt,
+    loss_of,
+    make_input,
+    memory_profile,
+)
 
 DEFAULT = FitConfig("Block", True, False, None, None, 0, False)
 
@@ -37,8 +45,7 @@ def search(world: int, budget: int | None = None) -> FitResult:
 
 
 def measure(rank: int, world: int, cfg: dict[str, Any]) -> int:
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with prof:
+    with memory_profile() as prof:
         torch.manual_seed(0)
         model = gpt()
         apply(model, FitConfig(**cfg), mesh=init_device_mesh("cpu", (world,)))

@@ -14,6 +14,7 @@ modules compute with is only ever read by operators).
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,6 +138,22 @@ class _GatheredSampler(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def memory_profile() -> Iterator[Any]:
+    """``torch.profiler`` with allocation events, and no garbage collection while it runs.
+
+    Models freed earlier in this worker (sharded models are collectable cycles) would otherwise
+    be collected at a moment the allocator's counts decide, possibly inside a measured window,
+    whose running total then drops by bytes allocated long before it: a peak measured low."""
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield prof
+    finally:
+        gc.enable()
+
+
 def _peak_in_window(prof: Any) -> tuple[int, int]:
     """(peak, total before the window) of live CPU tensor bytes; see the module docstring.
     With several windows (identical steps), the smallest peak and its window's total before:
@@ -222,7 +239,6 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         )
     if cfg.get("placement"):
         kwargs["shard_placement_fn"] = dim1_where_even
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     # "accelerator": the engine's accelerator branches on CPU tensors (each reduction run to
     # its end when started, buffers released by reference once the owning stream waited).
     branches = (
@@ -230,7 +246,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get("accelerator")
         else contextlib.nullcontext()
     )
-    with prof, branches:
+    with memory_profile() as prof, branches:
         torch.manual_seed(0)
         model = FACTORIES[kind]()
         blocks = (

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 from shardweave.fsdp.plan import FitConfig, apply, fit
 from tests._dist import WorkerPool
-from tests.fsdp._plan_real import WINDOW, _peak_in_window
+from tests.fsdp._plan_real import WINDOW, _peak_in_window, memory_profile
 
 SAMPLE = (8, 32)
 LAYER = "LlamaDecoderLayer"
@@ -47,8 +47,7 @@ def _loss(out: Any, inp: Any) -> torch.Tensor:
 
 
 def _measure(rank: int, world: int, cfg: dict[str, Any]) -> tuple[int, list[str]]:
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with prof:
+    with memory_profile() as prof:
         torch.manual_seed(0)
         model = llama()
         names = [n for n, _ in model.named_parameters()]

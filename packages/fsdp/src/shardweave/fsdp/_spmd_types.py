@@ -182,7 +182,7 @@ def _within(spmd: ModuleType, axis: object, dp_axes: list[Any]) -> bool:
         return False
     from spmd_types._mesh_axis import flatten_axes
 
-    return bool(axis <= flatten_axes(tuple(dp_axes)))  # type: ignore[operator]
+    return bool(axis <= flatten_axes(tuple(dp_axes)))  # type: ignore[operator,unused-ignore]
 
 
 class SpmdTypesHandler:
