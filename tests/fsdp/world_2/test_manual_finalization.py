@@ -30,6 +30,8 @@ from shardweave.fsdp import (
     FSDPModule,
     GradientReductionHandle,
     PeerIdleError,
+    _fault,
+    _watchdog,
     fully_shard,
     set_idle_timeout,
     set_stall_timeout,
@@ -354,6 +356,11 @@ def peer_never_finalizes(rank: int, world: int) -> None:
         set_checks(False)
         set_stall_timeout(DEFAULT_STALL_S)
         set_idle_timeout(None)
+        # This failure scope ends with the test, as a restarted job's would: a later test's
+        # first engine call before a root's lazy init (FSDPModule.unshard) would otherwise
+        # adopt its verdict (the misuse catalogue did, on both ranks).
+        _fault.new_epoch(None)
+        _watchdog.new_epoch()
 
 
 def test_peer_that_never_finalizes_is_named(world2: WorkerPool) -> None:
