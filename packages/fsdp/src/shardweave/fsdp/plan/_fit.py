@@ -62,9 +62,8 @@ from shardweave.fsdp.plan._model import (
 from shardweave.fsdp.plan._plan import (
     BACKENDS,
     OPTIMIZER_STATES,
-    group_plan,
+    group_plans,
     parse_mesh,
-    resolve_reshard,
 )
 from shardweave.fsdp.plan._report import format_bytes
 from shardweave.fsdp.plan._schedule import GroupTraffic, Replay
@@ -566,9 +565,9 @@ def fit(
         acs = [k for k in checkpoint_choices if k == 0 or (w is not None and k <= max(n_blocks, 1))]
         for (pd, rd), every in itertools.product(precisions, acs):
             mp = MixedPrecisionPolicy(param_dtype=_DTYPES[pd], reduce_dtype=_DTYPES[rd])
-            base_traffic = _traffic(
+            base_traffic = group_plans(
                 specs, True, False, shard_size, mp, states, replicate_size, backend, False
-            )[0]
+            )[1]
             events, flops = _flops_and_trace(
                 model_factory,
                 specs_of,
@@ -590,7 +589,7 @@ def fit(
             for reshard, root_reshard, offload in itertools.product(
                 block_reshards, (False, True), offload_choices
             ):
-                traffic, plans = _traffic(
+                plans, traffic = group_plans(
                     specs,
                     reshard,
                     root_reshard,
@@ -654,30 +653,6 @@ def fit(
         mesh=dims,
         device=dev.source,
     )
-
-
-def _traffic(
-    specs: Sequence[GroupSpec],
-    reshard: bool | int,
-    root_reshard: bool,
-    shard_size: int,
-    mp: MixedPrecisionPolicy,
-    states: int,
-    replicate_size: int,
-    backend: str,
-    offload: bool,
-) -> tuple[list[GroupTraffic], list[Any]]:
-    traffic: list[GroupTraffic] = []
-    plans: list[Any] = []
-    for spec in specs:
-        is_root = spec.key == ROOT_KEY
-        mode = resolve_reshard(root_reshard if is_root else reshard, shard_size, is_root)
-        gp, tr = group_plan(
-            spec, mode, shard_size, mp, states, replicate_size > 1, backend == "gloo", offload
-        )
-        plans.append(gp)
-        traffic.append(tr)
-    return traffic, plans
 
 
 def _time_terms(

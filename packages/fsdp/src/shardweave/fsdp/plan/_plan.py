@@ -305,16 +305,9 @@ def plan(
         shard_placement_fn=shard_placement_fn,
         shard_size=shard_size,
     )
-    groups: list[GroupPlan] = []
-    traffic: list[GroupTraffic] = []
-    for spec in specs:
-        is_root = spec.key == ROOT_KEY
-        mode = _resolve_reshard(root_reshard if is_root else block_reshard, shard_size, is_root)
-        gp, tr = _group_plan(
-            spec, mode, shard_size, mp, states, replicate_size > 1, backend == "gloo", offload
-        )
-        groups.append(gp)
-        traffic.append(tr)
+    groups, traffic = group_plans(
+        specs, block_reshard, root_reshard, shard_size, mp, states, replicate_size, backend, offload
+    )
     sched = simulate_step(
         traffic,
         forward_prefetch=forward_prefetch,
@@ -626,6 +619,27 @@ def _rank_rows(
     }
 
 
-# Public names for ``_fit``, which builds each searched configuration's traffic the same way.
-group_plan = _group_plan
-resolve_reshard = _resolve_reshard
+def group_plans(
+    specs: Sequence[GroupSpec],
+    reshard: bool | int | None,
+    root_reshard: bool | int | None,
+    shard_size: int,
+    mp: MixedPrecisionPolicy,
+    states: int,
+    replicate_size: int,
+    backend: str,
+    offload: bool,
+) -> tuple[list[GroupPlan], list[GroupTraffic]]:
+    """Every group's plan and the traffic its replay needs, under one configuration: for
+    ``plan`` and for each configuration ``fit`` searches."""
+    groups: list[GroupPlan] = []
+    traffic: list[GroupTraffic] = []
+    for spec in specs:
+        is_root = spec.key == ROOT_KEY
+        mode = _resolve_reshard(root_reshard if is_root else reshard, shard_size, is_root)
+        gp, tr = _group_plan(
+            spec, mode, shard_size, mp, states, replicate_size > 1, backend == "gloo", offload
+        )
+        groups.append(gp)
+        traffic.append(tr)
+    return groups, traffic
