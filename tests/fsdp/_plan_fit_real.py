@@ -14,17 +14,16 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import record_function
 
 from shardweave.fsdp.plan import FitConfig, FitResult, apply, fit
 from tests._dist import WorkerPool
 from tests.fsdp._plan_real import (
     GPT_INPUT,
-    WINDOW,
     _peak_in_window,
     gpt,
     loss_of,
     make_input,
+    measured_window,
     memory_profile,
 )
 
@@ -55,7 +54,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> int:
         loss_fn(model(batch), batch).backward()
         opt.step()
         opt.zero_grad()
-        with record_function(WINDOW):
+        with measured_window():
             loss = loss_fn(model(batch), batch)
             loss.backward()
             del loss

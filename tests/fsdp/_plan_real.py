@@ -140,16 +140,25 @@ class _GatheredSampler(TorchDispatchMode):
 
 @contextlib.contextmanager
 def memory_profile() -> Iterator[Any]:
-    """``torch.profiler`` with allocation events, and no garbage collection while it runs.
+    """``torch.profiler`` with allocation events, from a collected heap."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield prof
 
-    Models freed earlier in this worker (sharded models are collectable cycles) would otherwise
-    be collected at a moment the allocator's counts decide, possibly inside a measured window,
-    whose running total then drops by bytes allocated long before it: a peak measured low."""
+
+@contextlib.contextmanager
+def measured_window() -> Iterator[None]:
+    """One measured window: the garbage so far collected just before it, no collection inside.
+
+    Sharded models are collectable cycles, as are some of autograd's; collected inside a window
+    at a moment the allocator's counts decide, they drop its running total by bytes allocated
+    long before it (a peak measured low), and never collected at all they stay in it (a peak
+    measured high). Collected just before, the window starts from the same heap every time."""
     gc.collect()
     gc.disable()
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            yield prof
+        with record_function(WINDOW):
+            yield
     finally:
         gc.enable()
 
@@ -272,7 +281,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if window:
                 opt.step()
                 opt.zero_grad()
-            with record_function(WINDOW), sampler:
+            with measured_window(), sampler:
                 loss = loss_fn(model(batch), batch)
                 loss.backward()
                 del loss

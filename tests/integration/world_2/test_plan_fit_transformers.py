@@ -17,11 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import record_function
 
 from shardweave.fsdp.plan import FitConfig, apply, fit
 from tests._dist import WorkerPool
-from tests.fsdp._plan_real import WINDOW, _peak_in_window, memory_profile
+from tests.fsdp._plan_real import _peak_in_window, measured_window, memory_profile
 
 SAMPLE = (8, 32)
 LAYER = "LlamaDecoderLayer"
@@ -58,7 +57,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> tuple[int, list[str]
         _loss(model(batch), batch).backward()
         opt.step()
         opt.zero_grad()
-        with record_function(WINDOW):
+        with measured_window():
             loss = _loss(model(batch), batch)
             loss.backward()
             del loss
