@@ -148,19 +148,15 @@ def memory_profile() -> Iterator[Any]:
 
 @contextlib.contextmanager
 def measured_window() -> Iterator[None]:
-    """One measured window: the garbage so far collected just before it, no collection inside.
+    """One measured window, the garbage so far collected just before it.
 
-    Sharded models are collectable cycles, as are some of autograd's; collected inside a window
-    at a moment the allocator's counts decide, they drop its running total by bytes allocated
-    long before it (a peak measured low), and never collected at all they stay in it (a peak
-    measured high). Collected just before, the window starts from the same heap every time."""
+    Sharded models are collectable cycles: one left from an earlier test and collected inside
+    the window would drop its running total by bytes allocated long before it (a peak measured
+    low). The collector stays on inside: objects that hold the step's own buffers in cycles
+    are freed there as in a real step."""
     gc.collect()
-    gc.disable()
-    try:
-        with record_function(WINDOW):
-            yield
-    finally:
-        gc.enable()
+    with record_function(WINDOW):
+        yield
 
 
 def _peak_in_window(prof: Any) -> tuple[int, int]:
