@@ -162,10 +162,9 @@ def as_own_mesh_info(info: object) -> object:
     field torch adds later fails here, loudly, instead of being dropped. A fresh object per
     call: callers that group parameters by mesh-info identity convert each object once.
 
-    Example::
+    Example (``theirs``: a mesh info torchtitan built with torch's own helper)::
 
-        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-        ours = as_own_mesh_info(_get_mesh_info(mesh, None))
+        ours = as_own_mesh_info(theirs)
         assert isinstance(ours, shardweave.mesh.FSDPMeshInfo)
     """
     if isinstance(info, DataParallelMeshInfo) or not dataclasses.is_dataclass(info):
