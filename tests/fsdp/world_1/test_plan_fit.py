@@ -8,6 +8,7 @@ budget parser's units, the ranking order, the JSON schema, and the answer when n
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from shardweave.fsdp.plan import FitConfig, PlanError, fit, parse_budget, plan
+from shardweave.fsdp import MixedPrecisionPolicy
+from shardweave.fsdp.plan import FitConfig, PlanError, fit, format_fit, parse_budget, plan
 from shardweave.fsdp.plan._apply import checkpoint_blocks
+from shardweave.fsdp.plan._fit import _flops_and_trace
+from shardweave.fsdp.plan._fold import find_fold
+from shardweave.fsdp.plan._model import discover_groups, module_wrap_predicate
+from shardweave.fsdp.plan._plan import group_plans
 
 SAMPLE = ((2, 16), torch.long)
 
@@ -241,3 +247,161 @@ def test_candidates_prefer_own_blocks_and_cover_an_mlp_stack() -> None:
     )
     assert m.search_space["wrap"] == ["Linear", "(root only)"]
     assert m.kept and m.kept[0].peak_bytes <= m.budget_bytes
+
+
+# --- folding a stack of alike blocks (shardweave.fsdp.plan._fold) --------------------------------
+# Oracle: the same search with fold=False (every block run), whose peaks the tests above tie to
+# plan()'s. Nine blocks: folded runs keep 4 (7 with checkpointing every 2nd block).
+
+
+def deep_net() -> Net:
+    return Net(layers=9)
+
+
+def _rows(result: Any) -> list[tuple[str, int, float]]:
+    rows = [(f.config.describe(), f.peak_bytes, f.step_seconds) for f in result.kept]
+    smallest = result.smallest
+    return [*sorted(rows), ("smallest", smallest.peak_bytes, smallest.step_seconds)]
+
+
+def test_fold_is_exact() -> None:
+    kwargs: dict[str, Any] = dict(
+        mesh=4, sample_input=SAMPLE, budget="1GiB", allow_lower_precision=True, backend="gloo"
+    )
+    folded = fit(deep_net, **kwargs)
+    full = fit(deep_net, fold=False, **kwargs)
+    # every fake step folded: each wrap (the root alone included, whose group spans the
+    # blocks), each precision, checkpointing of every block and of every 2nd
+    assert len(folded.folded) == folded.fake_steps == full.fake_steps
+    assert set(folded.folded) == {"layers: 9 blocks run as 4", "layers: 9 blocks run as 7"}
+    assert full.folded == ()
+    assert _rows(folded) == _rows(full)
+    assert "folded (layers: 9 blocks run as 4" in format_fit(folded)
+
+
+class Counted(Block):
+    """A block whose third call in a forward allocates more (it behaves by position, with
+    nothing in its attributes to say so)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Counted.calls += 1
+        if Counted.calls % 9 == 3:
+            x = x + torch.cat([x, x], dim=-1)[..., : x.shape[-1]]
+        return super().forward(x)
+
+
+class ByPosition(Net):
+    def __init__(self, attribute: bool) -> None:
+        super().__init__(layers=9)
+        if attribute:  # e.g. a per-layer attention type
+            for i, block in enumerate(self.layers):
+                block.wide = i == 6  # type: ignore[assignment]
+        else:
+            self.layers = nn.ModuleList(Counted(24) for _ in range(9))
+        for i, block in enumerate(self.layers):
+            block.layer_idx = i  # type: ignore[assignment]  # as transformers' layers have
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        Counted.calls = 0
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = layer(x) * 2 if getattr(layer, "wide", False) else layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("attribute", [True, False], ids=["attribute", "behaviour"])
+def test_fold_refused_when_blocks_differ(attribute: bool) -> None:
+    """Blocks that differ by an attribute are never folded; blocks that differ in what they
+    do among the kept ones fail the fold's check and run unfolded. ``layer_idx`` alone
+    (equal to the block's position) does not stop a fold."""
+    kwargs: dict[str, Any] = dict(mesh=2, sample_input=SAMPLE, budget="1GiB", backend="gloo")
+    kwargs["wrap"] = "Block" if attribute else "Counted"
+    factory = functools.partial(ByPosition, attribute)
+    # by attribute: no stack to fold; by behaviour: a stack, whose check then fails
+    assert (find_fold(factory(), period=1) is None) == attribute
+    checked = fit(factory, **kwargs)
+    full = fit(factory, fold=False, **kwargs)
+    assert checked.folded == ()
+    assert _rows(checked) == _rows(full)
+
+
+def test_fold_ignores_layer_idx() -> None:
+    def indexed() -> Net:
+        net = deep_net()
+        for i, block in enumerate(net.layers):
+            block.layer_idx = i  # type: ignore[assignment]
+        return net
+
+    r = fit(indexed, mesh=2, sample_input=SAMPLE, budget="1GiB", wrap="Block", backend="gloo")
+    assert r.folded and len(r.folded) == r.fake_steps
+
+
+def _normalized(events: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """A post-backward's nested frees as bytes per category (a group spanning the blocks
+    frees the cut blocks' gradients in one event, where the full run frees them one by one)."""
+    out = []
+    for ev in events:
+        if ev[0] == "post_backward":
+            sums: dict[str, int] = {}
+            for e in ev[2]:
+                assert e[0] in ("bytes", "add"), e  # add: (category, delta, group, event)
+                sums[e[1]] = sums.get(e[1], 0) + e[2]
+            ev = (ev[0], ev[1], sorted(sums.items()))
+        out.append(ev)
+    return out
+
+
+class Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(24) for _ in range(9))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Nested(nn.Module):
+    """The blocks inside a wrapped container: its group holds every block's parameters and,
+    its input needing grad, frees their gradients in its own post-backward (the root's runs
+    from the final callback, its input being tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(37, 24)
+        self.body = Body()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.body(self.tok(idx))
+
+
+@pytest.mark.parametrize(
+    ("model", "wrap", "every"),
+    [
+        ("net", "Block", 0),
+        ("net", "Block", 1),
+        ("net", "Block", 2),
+        ("net", None, 0),
+        ("nested", "Body", 0),
+    ],
+    ids=["blocks", "blocks-ac1", "blocks-ac2", "root_only", "container"],
+)
+def test_fold_replays_the_full_stream(model: str, wrap: str | None, every: int) -> None:
+    """Event for event, the unfolded stream is the full run's (bytes, FLOPs, calls into the
+    replay and their group keys)."""
+    factory: Any = deep_net if model == "net" else Nested
+    specs_of = functools.partial(discover_groups, wrap=module_wrap_predicate(wrap), shard_size=4)
+    with torch.device("meta"):
+        specs = specs_of(factory())
+    traffic = group_plans(specs, True, False, 4, MixedPrecisionPolicy(), 2, 1, "gloo", False)[1]
+    args = (factory, specs_of, traffic, SAMPLE, None, None, wrap, every)
+    folded, flops, stack = _flops_and_trace(*args, fold=True)
+    full, full_flops, no_stack = _flops_and_trace(*args, fold=False)
+    assert stack is not None and no_stack is None
+    assert flops == full_flops > 0
+    assert _normalized(folded) == _normalized(full)
+    if model == "nested":  # the container's post-backward, freeing all blocks' gradients
+        assert any(ev[0] == "post_backward" and ev[1] == "body" for ev in full)

@@ -313,8 +313,11 @@ def run_fake_step(
     sample: SampleInput,
     loss_fn: LossFn | None,
     param_dtype: torch.dtype | None,
+    extra_hooks: Callable[[nn.Module], list[Any]] | None = None,
 ) -> FakeStepResult:
-    """One forward and backward of ``model`` (built under ``mode``) on ``sample``."""
+    """One forward and backward of ``model`` (built under ``mode``) on ``sample``.
+    ``extra_hooks``: installs more hooks after the engine's (``fit``'s fold markers) and
+    returns their handles."""
     started = time.perf_counter()
     params_of = _swap_to_compute_dtype(model, specs, mode, param_dtype)
     tracker = _LiveBytes(replay)
@@ -325,6 +328,8 @@ def run_fake_step(
         if isinstance(t, torch.Tensor):
             tracker.track(t)  # the input is live through the step
     handles = _install_hooks(model, specs, replay, tracker, params_of, param_dtype)
+    if extra_hooks is not None:
+        handles += extra_hooks(model)
     loss_of = loss_fn or default_loss
     get_rng_state = torch.get_rng_state
 

@@ -40,7 +40,7 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -52,6 +52,15 @@ from torch.utils.flop_counter import flop_registry
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
 from shardweave.fsdp.plan._activations import SampleInput, fake_mode, run_fake_step
 from shardweave.fsdp.plan._apply import checkpoint_blocks
+from shardweave.fsdp.plan._fold import (
+    Fold,
+    FoldMismatch,
+    cut,
+    find_fold,
+    install_markers,
+    kept_specs,
+    unfold,
+)
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
@@ -206,6 +215,7 @@ class FitResult:
     advice: tuple[str, ...] = ()
     fake_steps: int = 0
     mesh: tuple[int, ...] = ()
+    folded: tuple[str, ...] = ()  # per folded fake step, what ran (``_fold``)
     device: str = ""
 
     @property
@@ -230,6 +240,7 @@ class FitResult:
             "search_seconds": self.search_seconds,
             "search_space": self.search_space,
             "fake_steps": self.fake_steps,
+            "folded": list(self.folded),
             "smallest": None if self.smallest is None else row(self.smallest),
             "advice": list(self.advice),
         }
@@ -278,6 +289,11 @@ class _RecordingReplay(Replay):
     def add(self, category: str, delta: int, group: str, event: str) -> None:
         self._call("add", category, delta, group, event)
 
+    def mark(self, kind: str, block: int) -> None:
+        """A fold marker (``_fold``): not a call into the replay."""
+        if self.depth == 0:
+            self.events.append(("mark", kind, block))
+
     def pre_forward(self, key: str) -> None:
         self._call("pre_forward", key)
 
@@ -317,6 +333,8 @@ class _RecordingReplay(Replay):
 def _play(replay: Replay, events: Sequence[tuple[Any, ...]]) -> None:
     for ev in events:
         name = ev[0]
+        if name == "flops":
+            continue
         if name == "bytes":
             replay.bytes[ev[1]] += ev[2]
         elif name == "post_backward":
@@ -366,18 +384,48 @@ def _flops_and_trace(
     param_dtype: torch.dtype | None,
     wrap: str | None,
     every: int,
-) -> tuple[list[tuple[Any, ...]], float]:
-    mode = fake_mode()
-    with mode:
-        model = factory()
-    specs = specs_of(model)
-    if wrap is not None and every:
-        _checkpoint_forwards(model, wrap, every)
+    fold: bool = True,
+) -> tuple[list[tuple[Any, ...]], float, Fold | None]:
+    """One recorded fake step (its events, FLOPs included) for a wrapping, precision and
+    checkpointing choice; over a few blocks of a stack of alike blocks when ``fold``
+    (``_fold``), else, or when the kept blocks do not repeat, over the whole model."""
+    for folding in (True, False) if fold else (False,):
+        mode = fake_mode()
+        with mode:
+            model = factory()
+        specs = specs_of(model)
+        if wrap is not None and every:
+            _checkpoint_forwards(model, wrap, every)
+        stack = find_fold(model, period=max(every, 1)) if folding else None
+        if folding and stack is None:
+            continue
+        try:
+            events = _trace(model, mode, specs, stack, traffic, sample, loss_fn, param_dtype)
+        except FoldMismatch:
+            continue
+        return events, float(sum(_flops(events))), stack
+    raise AssertionError("unreachable: the unfolded step either returns or raises")
+
+
+def _trace(
+    model: nn.Module,
+    mode: Any,
+    specs: list[GroupSpec],
+    stack: Fold | None,
+    traffic: list[GroupTraffic],
+    sample: SampleInput,
+    loss_fn: Any,
+    param_dtype: torch.dtype | None,
+) -> list[tuple[Any, ...]]:
+    run_specs = specs
+    if stack is not None:
+        cut(model, stack)
+        run_specs = kept_specs(model, specs)
     rec = _RecordingReplay(traffic, keep_timeline=False)
-    counter = _FlopCounter()
+    markers = (lambda m: install_markers(m, stack, rec)) if stack is not None else None
     try:
-        with counter:
-            run_fake_step(model, mode, specs, rec, sample, loss_fn, param_dtype)
+        with _FlopCounter(rec):
+            run_fake_step(model, mode, run_specs, rec, sample, loss_fn, param_dtype, markers)
     except PlanError as exc:
         from torch._subclasses.fake_tensor import (
             DataDependentOutputException,
@@ -390,8 +438,47 @@ def _flops_and_trace(
                 f"data ({exc.__cause__}; e.g. mixture-of-experts routing with nonzero), which a "
                 "fake-tensor step cannot run; the sample input is not at fault"
             ) from exc.__cause__
+        if stack is not None:  # e.g. a forward indexing blocks the cut stack lacks
+            raise FoldMismatch(str(exc)) from exc
         raise
-    return rec.events, float(counter.flops)
+    if stack is None:
+        return rec.events
+    return unfold(rec.events, stack, _grad_bytes(specs, stack, param_dtype))
+
+
+def _grad_bytes(
+    specs: list[GroupSpec], stack: Fold, param_dtype: torch.dtype | None
+) -> Callable[[str, int], tuple[int, int]]:
+    """For ``_fold.unfold``: a group's gradient bytes in one block of the stack, and in
+    everything the cut model kept."""
+    by_key = {s.key: s for s in specs}
+    head = f"{stack.fqn}."
+
+    def block_of(fqn: str) -> int | None:
+        return int(fqn[len(head) :].split(".", 1)[0]) if fqn.startswith(head) else None
+
+    def nbytes(p: Any) -> int:
+        dtype = param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
+        return int(math.prod(p.shape)) * int(dtype.itemsize)
+
+    def grad_bytes(key: str, block: int) -> tuple[int, int]:
+        spec = by_key.get(key)
+        if spec is None or key.startswith(head):  # a block's own group: copied with it
+            return 0, 0
+        grads = [p for p in spec.params if p.requires_grad]
+        per_block = sum(nbytes(p) for p in grads if block_of(p.fqn) == block)
+        kept = sum(nbytes(p) for p in grads if (b := block_of(p.fqn)) is None or b < stack.keep)
+        return per_block, kept
+
+    return grad_bytes
+
+
+def _flops(events: Sequence[tuple[Any, ...]]) -> Iterator[int]:
+    for ev in events:
+        if ev[0] == "flops":
+            yield ev[1]
+        elif ev[0] == "post_backward":
+            yield from _flops(ev[2])
 
 
 class _FlopCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -400,9 +487,9 @@ class _FlopCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     Not ``FlopCounterMode`` itself: its module tracker keeps autograd hooks on every module's
     outputs, which holds tensors alive and would change the fake step's measured peak."""
 
-    def __init__(self) -> None:
+    def __init__(self, rec: _RecordingReplay) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.flops = 0
+        self.rec = rec
 
     def __torch_dispatch__(
         self,
@@ -414,8 +501,8 @@ class _FlopCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func.overloadpacket)
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
+        if formula is not None:  # recorded as an event, so a folded stack's copies count
+            self.rec.events.append(("flops", int(formula(*args, **kwargs, out_val=out))))
         return out
 
 
@@ -446,6 +533,7 @@ def fit(
     host_link_bytes_per_s: float | None = None,
     checkpoint_choices: Sequence[int] = (0, 1, 2),
     offload_choices: Sequence[bool] = (False, True),
+    fold: bool = True,
 ) -> FitResult:
     """Search configurations of ``fully_shard`` for the ones whose predicted per-rank peak fits
     ``budget``, fastest (by the step-time estimate in this module's design note) first.
@@ -465,6 +553,9 @@ def fit(
         checkpoint_choices: activation checkpointing per wrapped block: 0 none, 1 every block,
             k every k-th block.
         offload_choices: CPU offload off/on.
+        fold: run each fake step over a few blocks of the model's largest stack of alike
+            blocks and repeat their recorded events for the rest (``_fold``: exact, checked,
+            and undone when the kept blocks do not repeat); False runs every block.
 
     Returns:
         A ``FitResult``: ``kept`` (fitting, fastest first), ``smallest`` (the smallest peak
@@ -554,6 +645,7 @@ def fit(
     results: list[Fitted] = []
     searched = 0
     fake_steps = 0
+    folded: list[str] = []
     for w in wraps:
         pred = module_wrap_predicate(w)
 
@@ -568,7 +660,7 @@ def fit(
             base_traffic = group_plans(
                 specs, True, False, shard_size, mp, states, replicate_size, backend, False
             )[1]
-            events, flops = _flops_and_trace(
+            events, flops, folded_stack = _flops_and_trace(
                 model_factory,
                 specs_of,
                 base_traffic,
@@ -577,8 +669,13 @@ def fit(
                 mp.param_dtype,
                 w,
                 every,
+                fold,
             )
             fake_steps += 1
+            if folded_stack is not None:
+                folded.append(
+                    f"{folded_stack.fqn}: {folded_stack.blocks} blocks run as {folded_stack.keep}"
+                )
             low = mp.param_dtype in (torch.bfloat16, torch.float16) or (
                 mp.param_dtype is None
                 and any(p.dtype in (torch.bfloat16, torch.float16) for s in specs for p in s.params)
@@ -650,6 +747,7 @@ def fit(
         smallest=smallest,
         advice=tuple(advice),
         fake_steps=fake_steps,
+        folded=tuple(folded),
         mesh=dims,
         device=dev.source,
     )
@@ -727,11 +825,18 @@ def _advice(
     return out
 
 
+def _folded_note(folded: Sequence[str]) -> str:
+    if not folded:
+        return ""
+    return f", {len(folded)} folded ({', '.join(sorted(set(folded)))})"
+
+
 def format_fit(result: FitResult, top: int = 5) -> str:
     lines = [
         f"make it fit: budget {format_bytes(result.budget_bytes)} per rank, mesh "
         f"{'x'.join(map(str, result.mesh))}; searched {result.searched} configurations "
-        f"({result.fake_steps} fake steps) in {result.search_seconds:.2f} s",
+        f"({result.fake_steps} fake steps{_folded_note(result.folded)}) in "
+        f"{result.search_seconds:.2f} s",
         "search space:",
     ]
     for k, v in result.search_space.items():
