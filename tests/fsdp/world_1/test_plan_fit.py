@@ -332,6 +332,7 @@ def test_fold_ignores_layer_idx() -> None:
         net = deep_net()
         for i, block in enumerate(net.layers):
             block.layer_idx = i  # type: ignore[assignment]
+            block.heads = 4  # type: ignore[assignment]  # the same in all (block 4's index too)
         return net
 
     r = fit(indexed, mesh=2, sample_input=SAMPLE, budget="1GiB", wrap="Block", backend="gloo")

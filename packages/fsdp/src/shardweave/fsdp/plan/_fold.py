@@ -59,16 +59,15 @@ class Fold:
 
 def find_fold(model: nn.Module, period: int) -> Fold | None:
     """The largest stack of alike blocks (same class, same parameter and buffer names,
-    shapes and dtypes) worth folding, or None."""
+    shapes and dtypes, same plain attributes) worth folding, or None."""
     best: tuple[int, Fold] | None = None
     for fqn, module in model.named_modules():
         if not fqn or not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
-        if (
-            len(children) < MIN_BLOCKS
-            or len({_signature(c, i) for i, c in enumerate(children)}) != 1
-        ):
+        if len(children) < MIN_BLOCKS or len({_signature(c) for c in children}) != 1:
+            continue
+        if not _attributes_agree(children):
             continue
         # keep: the first block, two periods to compare, then a last block whose index is
         # the full stack's last modulo the period (so its checkpointing matches)
@@ -82,38 +81,46 @@ def find_fold(model: nn.Module, period: int) -> Fold | None:
     return best[1] if best is not None else None
 
 
-def _signature(block: nn.Module, index: int) -> tuple[Any, ...]:
-    """What must agree between blocks for one to stand for another: the class, the submodule
-    tree, parameters and buffers, and the plain attributes of every submodule (a per-layer
-    attention type or window differs there), where an int equal to the block's position (a
-    ``layer_idx``) reads the same for all."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, bool) or value is None or isinstance(value, (float, str)):
-            return value
-        if isinstance(value, int):
-            return "<index>" if value == index else value
-        if isinstance(value, (tuple, list)):
-            items = [plain(v) for v in value]
-            return _OPAQUE if any(i is _OPAQUE for i in items) else tuple(items)
-        return _OPAQUE
-
-    attrs = tuple(
-        (name, key, plain(value))
-        for name, m in block.named_modules()
-        for key, value in sorted(vars(m).items())
-        if not key.startswith("_") and plain(value) is not _OPAQUE
-    )
+def _signature(block: nn.Module) -> tuple[Any, ...]:
+    """What must agree between blocks for one to stand for another (with
+    ``_attributes_agree``): the class, the submodule tree, parameters and buffers."""
     return (
         type(block),
         tuple((type(m).__name__, n) for n, m in block.named_modules()),
         tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
         tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
-        attrs,
     )
 
 
-_OPAQUE: Final = object()
+def _attributes_agree(blocks: Sequence[nn.Module]) -> bool:
+    """The plain attributes of every submodule (numbers, strings, None, tuples of them) are
+    the same in all blocks (a per-layer attention type or window differs there), except one
+    that holds each block's own position (a ``layer_idx``)."""
+    per_block = [
+        {
+            (name, key): value
+            for name, m in block.named_modules()
+            for key, value in vars(m).items()
+            if not key.startswith("_") and _is_plain(value)
+        }
+        for block in blocks
+    ]
+    for k in set().union(*per_block):
+        values = [attrs.get(k, _MISSING) for attrs in per_block]
+        if all(type(v) is type(values[0]) and v == values[0] for v in values):
+            continue
+        if not all(type(v) is int and v == i for i, v in enumerate(values)):
+            return False
+    return True
+
+
+_MISSING: Final = object()
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (tuple, list)) and all(_is_plain(v) for v in value)
 
 
 def cut(model: nn.Module, fold: Fold) -> None:
