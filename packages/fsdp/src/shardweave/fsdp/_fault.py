@@ -55,6 +55,7 @@ import torch.distributed as dist
 from shardweave.fsdp import _channel
 from shardweave.fsdp._consistency import FSDPConsistencyError
 from shardweave.fsdp._fsdp_common import CollectiveKind
+from shardweave.fsdp._torch_compat import all_gather_single
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -670,7 +671,7 @@ def check_collective(
     world = group.size()
     local = torch.tensor(sig, dtype=torch.int64, device=device)
     gathered = torch.empty(world * _SIG_LEN, dtype=torch.int64, device=device)
-    work = dist.all_gather_single(gathered, local, group=group, async_op=True)
+    work = all_gather_single(gathered, local, group=group, async_op=True)  # 2.11 lacks dist's
     if watch is not None:
         watch(work)
     wait(work, f"the collective check before the {mine}", device)

@@ -255,7 +255,7 @@ class AllGather(Comm):
                 return torch.empty(size, dtype=dtype, device=device)
 
             def __call__(self, output_tensor, input_tensor, group, async_op=False):
-                return dist.all_gather_single(
+                return dist.all_gather_into_tensor(
                     output_tensor, input_tensor, group=group, async_op=async_op
                 )
 
@@ -286,7 +286,7 @@ class ReduceScatter(Comm):
                 return torch.empty(size, dtype=dtype, device=device)
 
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-                return dist.reduce_scatter_single(
+                return dist.reduce_scatter_tensor(
                     output_tensor, input_tensor, op=op, group=group, async_op=async_op
                 )
 

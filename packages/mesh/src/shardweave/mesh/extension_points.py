@@ -294,9 +294,9 @@ class Collectives(Protocol):
 
         class C10dCollectives:
             def all_gather_into_tensor(self, output, input, group, *, async_op=False):
-                return dist.all_gather_single(output, input, group=group, async_op=async_op)
+                return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
             def reduce_scatter_tensor(self, output, input, group, *, op, async_op=False):
-                return dist.reduce_scatter_single(
+                return dist.reduce_scatter_tensor(
                     output, input, op=op, group=group, async_op=async_op
                 )
             def all_reduce(self, tensor, group, *, op, async_op=False):
