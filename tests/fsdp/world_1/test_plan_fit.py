@@ -8,6 +8,7 @@ budget parser's units, the ranking order, the JSON schema, and the answer when n
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -20,7 +21,7 @@ from torch import nn
 from shardweave.fsdp import MixedPrecisionPolicy
 from shardweave.fsdp.plan import FitConfig, PlanError, fit, format_fit, parse_budget, plan
 from shardweave.fsdp.plan._apply import checkpoint_blocks
-from shardweave.fsdp.plan._fit import _flops_and_trace
+from shardweave.fsdp.plan._fit import DEVICES, STEP_TERMS, _flops_and_trace
 from shardweave.fsdp.plan._fold import find_fold
 from shardweave.fsdp.plan._model import discover_groups, module_wrap_predicate
 from shardweave.fsdp.plan._plan import group_plans
@@ -124,7 +125,8 @@ def test_ranked_by_step_time_and_fit(searched: Any) -> None:
     assert all(f.peak_bytes <= searched.budget_bytes for f in searched.kept)
     assert searched.searched >= len(searched.kept) > 0
     for f in searched.kept:
-        assert f.dominant in ("compute", "exposed_comm", "offload")
+        assert f.dominant in STEP_TERMS
+        assert f.step_seconds == pytest.approx(sum(f.terms[k] for k in STEP_TERMS))
         # checkpointing recomputes: more FLOPs than the same configuration without it
     flops = {
         (f.config.wrap, f.config.param_dtype, f.config.checkpoint_every): f.terms["flops"]
@@ -406,3 +408,45 @@ def test_fold_replays_the_full_stream(model: str, wrap: str | None, every: int) 
     assert _normalized(folded) == _normalized(full)
     if model == "nested":  # the container's post-backward, freeing all blocks' gradients
         assert any(ev[0] == "post_backward" and ev[1] == "body" for ev in full)
+
+
+def test_latency_and_optimizer_terms() -> None:
+    """Closed form: NCCL's ring latency model, and the optimizer step's streamed bytes over
+    device memory (host memory with offload), against plan()'s own per-group bytes."""
+    h100 = DEVICES["h100"]
+    assert h100.ring_latency(1, 1) == 0.0
+    assert h100.ring_latency(8, 1) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert h100.ring_latency(16, 2) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 9.6e-6)
+    assert h100.ring_latency(4, 4, all_reduce=True) == pytest.approx(8.4e-6 + 6 * 9.6e-6)
+    cfg = FitConfig("Block", True, False, None, None, 0, False)
+    for offload in (False, True):
+        r = fit(
+            Net,
+            mesh=16,
+            sample_input=SAMPLE,
+            budget="1GiB",
+            wrap="Block",
+            checkpoint_choices=(0,),
+            offload_choices=(offload,),
+        )
+        row = next(f for f in r.kept if f.config == dataclasses.replace(cfg, offload=offload))
+        p = plan(
+            Net,
+            mesh=16,
+            wrap="Block",
+            reshard_after_forward=True,
+            offload=offload,
+            root_reshard_after_forward=False,
+            sample_input=SAMPLE,
+        )
+        streamed = sum(3 * g.grad_bytes + 2 * g.optimizer_state_bytes for g in p.groups)
+        memory = h100.host_memory_bytes_per_s if offload else h100.hbm_bytes_per_s
+        assert row.terms["optimizer"] == pytest.approx(streamed / memory)
+        # every collective pays its latency: 16 ranks on 2 nodes of 8, the network's bandwidth
+        ring, bw, lat = 15 / 16, h100.inter_node_bytes_per_s, h100.ring_latency(16, 2)
+        comm = 0.0
+        for g in p.groups:
+            comm += g.all_gathers_per_step * (g.gathered_bytes * ring / bw + lat)
+            if g.trainable_numel:
+                comm += g.reduce_scatter_bytes * ring / bw + lat
+        assert row.terms["comm"] == pytest.approx(comm)

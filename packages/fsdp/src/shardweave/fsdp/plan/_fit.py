@@ -14,20 +14,26 @@ Design note: one fake step per activation trace
     search of ``W`` wrappings costs ``W x checkpointing choices x compute dtypes`` fake steps
     and one cheap replay per configuration.
 
-Design note: the step-time estimate (docs/plan.md, "Make it fit", defines each term)
+Design note: the step-time estimate (docs/framework_guide.md, "Make it fit", defines each term)
     compute   = FLOPs of the fake step (forward + backward, a checkpoint's recompute counted,
-                from ``FlopCounterMode``) / device FLOP/s for the compute dtype
-    comm      = sum over collectives of bus bytes / link bandwidth, a ring's bus bytes being
-                ``(n-1)/n`` of the all-gather output or reduce-scatter input (``2(n-1)/n`` of
-                an all-reduce's buffer); the shard dimension uses ``shard_link`` bandwidth, the
-                HSDP replicate dimension ``replicate_link``
+                from torch's ``flop_registry``) / device FLOP/s for the compute dtype
+    comm      = sum over collectives of bus bytes / link bandwidth + latency, a ring's bus
+                bytes being ``(n-1)/n`` of the all-gather output or reduce-scatter input
+                (``2(n-1)/n`` of an all-reduce's buffer); the shard dimension uses
+                ``shard_link`` bandwidth, the HSDP replicate dimension ``replicate_link``; the
+                latency is NCCL's ring model (``Device.ring_latency``: a fixed cost plus one
+                per ring step, NVLink within a node, the network between nodes)
     exposed   = what the engine's schedule cannot hide behind compute: the root's forward
                 all-gather (nothing runs before it) and the last reduction (nothing runs after
                 it), plus whatever of the rest exceeds compute (``max(0, comm - compute)``)
     offload   = host<->device bytes (the shards copied to the device for every all-gather,
                 sharded gradients copied back) / host link bandwidth, not overlapped
-    step      = compute + exposed + offload; the term that dominates is named.
-    It is an estimate: no kernel efficiency, no latency per collective, no optimizer step.
+    optimizer = bytes the optimizer step streams (sharded parameters read and written,
+                gradients read, states read and written) / device memory bandwidth, or host
+                memory bandwidth with offload (the step runs on the CPU); after backward, not
+                overlapped
+    step      = compute + exposed + offload + optimizer; the term that dominates is named.
+    It is an estimate: peak numbers, no kernel efficiency, no contention between links.
 """
 
 from __future__ import annotations
@@ -91,13 +97,40 @@ class Device:
     host_bytes_per_s: float  # host <-> device, one direction
     gpus_per_node: int
     source: str
+    hbm_bytes_per_s: float = 3.35e12  # device memory: the optimizer step reads and writes it
+    host_memory_bytes_per_s: float = 76.8e9  # per GPU: the offloaded optimizer step's
+    # NCCL's ring/Simple latency model: a fixed cost per collective plus one per ring step,
+    # over NVLink within a node or over the network between nodes (see ``ring_latency``)
+    collective_latency_s: float = 8.4e-6
+    nvlink_step_latency_s: float = 3.4e-6
+    network_step_latency_s: float = 9.6e-6
+
+    def ring_latency(self, ranks: int, nodes: int, all_reduce: bool = False) -> float:
+        """Seconds of latency of one ring collective over ``ranks`` on ``nodes`` nodes:
+        ``ranks - 1`` steps (twice that for an all-reduce), ``nodes - 1`` of them (twice)
+        crossing the network."""
+        if ranks <= 1:
+            return 0.0
+        k = 2 if all_reduce else 1
+        steps, network = k * (ranks - 1), k * (max(nodes, 1) - 1)
+        return (
+            self.collective_latency_s
+            + (steps - network) * self.nvlink_step_latency_s
+            + network * self.network_step_latency_s
+        )
 
 
 # Vendor datasheet numbers (peak, not achieved): NVIDIA H100 SXM5 datasheet (bf16 dense
 # 989.4 TFLOP/s, FP32 66.9 TFLOP/s, NVLink 4 900 GB/s bidirectional = 450 GB/s per direction),
 # one ConnectX-7 NDR 400 Gb/s (50 GB/s) per GPU between nodes, PCIe gen5 x16 (64 GB/s per
 # direction, 128 GT/s raw). A100 SXM4 datasheet: bf16 dense 312 TFLOP/s, FP32 19.5 TFLOP/s,
-# NVLink 3 600 GB/s bidirectional, HDR 200 Gb/s IB, PCIe gen4 x16 32 GB/s.
+# NVLink 3 600 GB/s bidirectional, HDR 200 Gb/s IB, PCIe gen4 x16 32 GB/s. Device memory:
+# H100 SXM5 HBM3 3.35 TB/s, A100 SXM4 80 GB HBM2e 2.039 TB/s (datasheets). Host memory per
+# GPU: the DGX system's CPU sockets' peak DRAM bandwidth shared by its 8 GPUs (DGX H100: two
+# Xeon 8480C, 8 channels of DDR5-4800 each, 614 GB/s; DGX A100: two EPYC 7742, 8 channels of
+# DDR4-3200 each, 410 GB/s). Collective latencies: NCCL's tuning model (src/graph/tuning.cc,
+# ring with the Simple protocol, which large FSDP collectives use): 8.4 us per collective,
+# 3.4 us per ring step over NVLink, 9.6 us per step over the network.
 DEVICES: Final[dict[str, Device]] = {
     "h100": Device(
         989.4e12,
@@ -106,8 +139,11 @@ DEVICES: Final[dict[str, Device]] = {
         50e9,
         64e9,
         8,
-        "NVIDIA H100 SXM5 datasheet (bf16 dense, FP32), NVLink 4 per direction, "
-        "InfiniBand NDR 400 Gb/s per GPU, PCIe gen5 x16",
+        "NVIDIA H100 SXM5 datasheet (bf16 dense, FP32, HBM3), NVLink 4 per direction, "
+        "InfiniBand NDR 400 Gb/s per GPU, PCIe gen5 x16, DGX H100 host DRAM per GPU, "
+        "NCCL's ring latency model",
+        hbm_bytes_per_s=3.35e12,
+        host_memory_bytes_per_s=76.8e9,
     ),
     "a100": Device(
         312e12,
@@ -116,10 +152,16 @@ DEVICES: Final[dict[str, Device]] = {
         25e9,
         32e9,
         8,
-        "NVIDIA A100 SXM4 datasheet (bf16 dense, FP32), NVLink 3 per direction, "
-        "InfiniBand HDR 200 Gb/s per GPU, PCIe gen4 x16",
+        "NVIDIA A100 SXM4 80 GB datasheet (bf16 dense, FP32, HBM2e), NVLink 3 per direction, "
+        "InfiniBand HDR 200 Gb/s per GPU, PCIe gen4 x16, DGX A100 host DRAM per GPU, "
+        "NCCL's ring latency model",
+        hbm_bytes_per_s=2.039e12,
+        host_memory_bytes_per_s=51.2e9,
     ),
 }
+
+# What a step's estimated time adds up (seconds each; see _time_terms).
+STEP_TERMS: Final = ("compute", "exposed_comm", "offload", "optimizer")
 
 _UNITS: Final[dict[str, int]] = {
     "": 1,
@@ -197,7 +239,7 @@ class Fitted:
     config: FitConfig
     peak_bytes: int
     step_seconds: float
-    terms: dict[str, float]  # compute, comm, exposed_comm, offload (seconds)
+    terms: dict[str, float]  # STEP_TERMS and comm (seconds), flops
     dominant: str
 
     def margin(self, budget: int) -> int:
@@ -582,6 +624,15 @@ def fit(
     )
     repl_bw = replicate_link_bytes_per_s or dev.inter_node_bytes_per_s
     host_bw = host_link_bytes_per_s or dev.host_bytes_per_s
+    links = _Links(
+        dev,
+        shard_size,
+        replicate_size,
+        shard_bw,
+        repl_bw,
+        shard_link_bytes_per_s or dev.intra_node_bytes_per_s,
+        host_bw,
+    )
     if not callable(model_factory) or isinstance(model_factory, nn.Module):
         raise PlanError("fit: pass the model as a zero-argument factory (built on meta/fake)")
     try:
@@ -640,6 +691,14 @@ def fit(
             "shard_link_bytes_per_s": shard_bw,
             "replicate_link_bytes_per_s": repl_bw,
             "host_link_bytes_per_s": host_bw,
+            "device_memory_bytes_per_s": dev.hbm_bytes_per_s,
+            "host_memory_bytes_per_s": dev.host_memory_bytes_per_s,
+            "collective_latency_s": {
+                "base": dev.collective_latency_s,
+                "per_ring_step_nvlink": dev.nvlink_step_latency_s,
+                "per_ring_step_network": dev.network_step_latency_s,
+            },
+            "step": " + ".join(STEP_TERMS),
         },
     }
     results: list[Fitted] = []
@@ -714,20 +773,10 @@ def fit(
                 )
                 searched += 1
                 terms = _time_terms(
-                    plans,
-                    replay.result.all_gathers,
-                    flops,
-                    flops_per_s,
-                    shard_size,
-                    replicate_size,
-                    shard_bw,
-                    repl_bw,
-                    host_bw,
-                    offload,
-                    shard_link_bytes_per_s or dev.intra_node_bytes_per_s,
+                    plans, replay.result.all_gathers, flops, flops_per_s, links, offload
                 )
-                step = terms["compute"] + terms["exposed_comm"] + terms["offload"]
-                dominant = max(("compute", "exposed_comm", "offload"), key=lambda k: terms[k])
+                step = sum(terms[k] for k in STEP_TERMS)
+                dominant = max(STEP_TERMS, key=lambda k: terms[k])
                 results.append(Fitted(cfg, peak, step, terms, dominant))
             del events
     kept = sorted(
@@ -753,49 +802,90 @@ def fit(
     )
 
 
+@dataclass(frozen=True)
+class _Links:
+    """The time model's numbers for one mesh (see ``Device``)."""
+
+    device: Device
+    shard_size: int
+    replicate_size: int
+    shard_bw: float
+    repl_bw: float
+    intra_bw: float
+    host_bw: float
+
+    @property
+    def shard_nodes(self) -> int:  # a shard group's ranks are consecutive, a node at a time
+        return -(-self.shard_size // self.device.gpus_per_node)
+
+    @property
+    def repl_nodes(self) -> int:  # replicas on one node: as many as fit beside the shards
+        per_node = max(1, self.device.gpus_per_node // self.shard_size)
+        return -(-self.replicate_size // per_node)
+
+    def all_gather(self, nbytes: int) -> float:
+        """One all-gather (or reduce-scatter) of ``nbytes`` (output, or input) over the shard
+        dimension: a ring's ``(n-1)/n`` of the bytes over its link, plus its latency."""
+        n = self.shard_size
+        if n <= 1:
+            return 0.0
+        return nbytes * (n - 1) / n / self.shard_bw + self.device.ring_latency(n, self.shard_nodes)
+
+    def all_reduce(self, nbytes: int) -> float:
+        n = self.replicate_size
+        if n <= 1:
+            return 0.0
+        lat = self.device.ring_latency(n, self.repl_nodes, all_reduce=True)
+        return nbytes * 2 * (n - 1) / n / self.repl_bw + lat
+
+    def node_all_gather(self, nbytes: int, ranks: int) -> float:
+        """An int ``reshard_after_forward``'s backward all-gather within groups of ``ranks``."""
+        lat = self.device.ring_latency(ranks, 1)
+        return nbytes * (ranks - 1) / ranks / self.intra_bw + lat
+
+
 def _time_terms(
     plans: Sequence[Any],
     all_gathers: dict[str, int],
     flops: float,
     flops_per_s: float,
-    shard_size: int,
-    replicate_size: int,
-    shard_bw: float,
-    repl_bw: float,
-    host_bw: float,
+    links: _Links,
     offload: bool,
-    intra_bw: float,
 ) -> dict[str, float]:
-    ring = (shard_size - 1) / shard_size if shard_size > 1 else 0.0
-    ar_ring = 2 * (replicate_size - 1) / replicate_size if replicate_size > 1 else 0.0
     comm = first = last = host = 0.0
     trainable = [g for g in plans if g.trainable_numel > 0]
     for g in plans:
-        n_ag = all_gathers.get(g.key, 0) if shard_size > 1 else 0
-        ag = n_ag * g.gathered_bytes * ring / shard_bw
+        n_ag = all_gathers.get(g.key, 0)
+        ag = n_ag * links.all_gather(g.gathered_bytes)
         mode = g.reshard_after_forward
         if n_ag >= 2 and not isinstance(mode, bool) and mode > 1:
             # The backward all-gather of an int reshard_after_forward N gathers the post-forward
             # shards within groups of N ranks (a node when N is the node size): its own link.
-            ag -= g.gathered_bytes * ring / shard_bw
-            ag += g.gathered_bytes * (mode - 1) / mode / intra_bw
-        rs = (g.reduce_scatter_bytes * ring / shard_bw) if g.trainable_numel else 0.0
-        ar = (g.all_reduce_bytes * ar_ring / repl_bw) if g.trainable_numel else 0.0
+            ag += links.node_all_gather(g.gathered_bytes, mode) - links.all_gather(g.gathered_bytes)
+        rs = links.all_gather(g.reduce_scatter_bytes) if g.trainable_numel else 0.0
+        ar = links.all_reduce(g.all_reduce_bytes) if g.trainable_numel else 0.0
         comm += ag + rs + ar
         if g.key == ROOT_KEY and n_ag:
-            first = g.gathered_bytes * ring / shard_bw
+            first = links.all_gather(g.gathered_bytes)
         if offload:
-            host += n_ag * g.sharded_param_bytes / host_bw + g.grad_bytes / host_bw
+            host += n_ag * g.sharded_param_bytes / links.host_bw + g.grad_bytes / links.host_bw
     if trainable:
         g = trainable[0]  # the root reduces last (in the final callback)
-        last = (g.reduce_scatter_bytes * ring / shard_bw) + (g.all_reduce_bytes * ar_ring / repl_bw)
+        last = links.all_gather(g.reduce_scatter_bytes) + links.all_reduce(g.all_reduce_bytes)
     compute = flops / flops_per_s
     exposed = first + last + max(0.0, comm - first - last - compute)
+    # The optimizer step streams the sharded parameters (read and written; the sharded
+    # gradients share their dtype), the gradients (read) and its states (read and written)
+    # through memory: the device's, or with offload the host's (it runs on the CPU).
+    streamed = sum(3 * g.grad_bytes + 2 * g.optimizer_state_bytes for g in plans)
+    dev = links.device
+    optimizer = streamed / (dev.host_memory_bytes_per_s if offload else dev.hbm_bytes_per_s)
     return {
         "compute": compute,
         "comm": comm,
         "exposed_comm": exposed,
         "offload": host,
+        "optimizer": optimizer,
         "flops": flops,
     }
 
@@ -851,7 +941,8 @@ def format_fit(result: FitResult, top: int = 5) -> str:
             f"  {i + 1}. peak {format_bytes(f.peak_bytes)} (margin "
             f"{format_bytes(result.budget_bytes - f.peak_bytes)}), step ~{f.step_seconds:.3g} s "
             f"[compute {t['compute']:.3g}, exposed comm {t['exposed_comm']:.3g} "
-            f"of {t['comm']:.3g}, offload {t['offload']:.3g} s; {f.dominant} dominates]"
+            f"of {t['comm']:.3g}, offload {t['offload']:.3g}, optimizer {t['optimizer']:.3g} s; "
+            f"{f.dominant} dominates]"
         )
         lines.append(f"     {f.config.describe()}")
     best = result.kept[0]
