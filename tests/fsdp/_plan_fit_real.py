@@ -1,9 +1,10 @@
 """``fit`` against real training: bodies and checks for ``tests/fsdp/world_*/test_plan_fit_real``.
 
-The top configurations ``fit`` keeps, applied with ``apply``, train on real ranks; their
-measured peak (``tests/fsdp/_plan_real``: profiler allocation totals in the measured step's
-window, after a warm-up step so optimizer state exists) must fit the budget and be within 10%
-of the prediction. The budget is 90% of the default configuration's own peak (every block
+The top configurations ``fit`` keeps for a model (the test GPT, or an MLP stack of residual
+blocks), applied with ``apply``, train on real ranks; their measured peak
+(``tests/fsdp/_plan_real``: live bytes from the profiler's allocation events in the measured
+step's window, after a warm-up step so optimizer state exists) must fit the budget and be
+within 10% of the prediction. The budget is 90% of the default configuration's own peak (every block
 wrapped and resharded, no checkpointing), so the default does not fit.
 """
 
@@ -13,12 +14,14 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardweave.fsdp.plan import FitConfig, FitResult, apply, fit
 from tests._dist import WorkerPool
 from tests.fsdp._plan_real import (
     GPT_INPUT,
+    MLP_INPUT,
     _peak_in_window,
     gpt,
     loss_of,
@@ -27,30 +30,60 @@ from tests.fsdp._plan_real import (
     memory_profile,
 )
 
-DEFAULT = FitConfig("Block", True, False, None, None, 0, False)
+
+# Per model: its factory, the class fit wraps, the sample input (every block wrapped and
+# resharded, no checkpointing, is the default configuration the budget rules out).
+class MLPBlock(nn.Module):
+    """A residual two-layer MLP block: what checkpointing saves is its 4x-wide hidden layer."""
+
+    def __init__(self, dim: int = MLP_INPUT[1], hidden: int = 4 * MLP_INPUT[1] + 3) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
 
 
-def search(world: int, budget: int | None = None) -> FitResult:
+def mlp_blocks() -> nn.Sequential:
+    """An MLP stack: four blocks and a head (odd widths: padded shards at 2 and 4 ranks)."""
+    return nn.Sequential(*(MLPBlock() for _ in range(4)), nn.Linear(MLP_INPUT[1], 3))
+
+
+# Per model: its factory, the class fit wraps, the sample input (every block wrapped and
+# resharded, no checkpointing, is the default configuration the budget rules out).
+MODELS: dict[str, tuple[Any, str, tuple[tuple[int, ...], torch.dtype]]] = {
+    "gpt": (gpt, "Block", (GPT_INPUT, torch.long)),
+    "mlp": (mlp_blocks, "MLPBlock", (MLP_INPUT, torch.float32)),
+}
+
+
+def default(kind: str) -> FitConfig:
+    return FitConfig(MODELS[kind][1], True, False, None, None, 0, False)
+
+
+def search(world: int, kind: str, budget: int | None = None) -> FitResult:
+    factory, wrap, sample = MODELS[kind]
     return fit(
-        gpt,
+        factory,
         mesh=world,
-        sample_input=(GPT_INPUT, torch.long),
+        sample_input=sample,
         budget=budget or 2**40,
-        wrap="Block",
+        wrap=wrap,
         backend="gloo",
-        loss_fn=loss_of("gpt"),
+        loss_fn=loss_of(kind),
         offload_choices=(False,),
     )
 
 
-def measure(rank: int, world: int, cfg: dict[str, Any]) -> int:
+def measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> int:
     with memory_profile() as prof:
         torch.manual_seed(0)
-        model = gpt()
+        model = MODELS[kind][0]()
         apply(model, FitConfig(**cfg), mesh=init_device_mesh("cpu", (world,)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batch = make_input("gpt", rank)
-        loss_fn = loss_of("gpt")
+        batch = make_input(kind, rank)
+        loss_fn = loss_of(kind)
         loss_fn(model(batch), batch).backward()
         opt.step()
         opt.zero_grad()
@@ -63,17 +96,18 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> int:
     return _peak_in_window(prof)[0]
 
 
-def check_top(pool: WorkerPool, world: int, top: int) -> None:
-    default_peak = next(f for f in search(world).kept if f.config == DEFAULT).peak_bytes
-    budget = int(default_peak * 0.9)
-    result = search(world, budget)
+def check_top(pool: WorkerPool, world: int, top: int, kind: str = "gpt") -> None:
+    default_peak = next(f for f in search(world, kind).kept if f.config == default(kind))
+    budget = int(default_peak.peak_bytes * 0.9)
+    result = search(world, kind, budget)
     assert result.kept, result.advice
-    assert DEFAULT not in {f.config for f in result.kept}
+    assert default(kind) not in {f.config for f in result.kept}
     for fitted in result.kept[:top]:
-        peaks = pool.run(measure, dataclasses.asdict(fitted.config))
+        peaks = pool.run(measure, dataclasses.asdict(fitted.config), kind)
         for rank, measured in enumerate(peaks):
-            assert measured <= budget, (fitted.config, rank, measured, budget)
+            assert measured <= budget, (kind, fitted.config, rank, measured, budget)
             assert abs(measured - fitted.peak_bytes) <= 0.10 * measured, (
+                kind,
                 fitted.config,
                 rank,
                 measured,

@@ -7,9 +7,12 @@ the prediction.
 
 from __future__ import annotations
 
+import pytest
+
 from tests._dist import WorkerPool
 from tests.fsdp._plan_fit_real import check_top
 
 
-def test_fit_top3_train_within_budget_world2(world2: WorkerPool) -> None:
-    check_top(world2, 2, top=3)
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_fit_top3_train_within_budget_world2(world2: WorkerPool, kind: str) -> None:
+    check_top(world2, 2, top=3, kind=kind)

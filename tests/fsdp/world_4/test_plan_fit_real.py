@@ -7,9 +7,12 @@ prediction (one configuration here to keep CI time down; 2 ranks check the top t
 
 from __future__ import annotations
 
+import pytest
+
 from tests._dist import WorkerPool
 from tests.fsdp._plan_fit_real import check_top
 
 
-def test_fit_best_trains_within_budget_world4(world4: WorkerPool) -> None:
-    check_top(world4, 4, top=1)
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_fit_best_trains_within_budget_world4(world4: WorkerPool, kind: str) -> None:
+    check_top(world4, 4, top=1, kind=kind)
