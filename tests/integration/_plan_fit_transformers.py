@@ -1,4 +1,4 @@
-"""``fit`` on a transformers Llama built from a config: the bodies of
+"""``fit`` on transformers models built from configs, a Llama and a Qwen3-MoE: the bodies of
 ``tests/integration/world_{2,4}/test_plan_fit_transformers`` (collected where transformers is
 installed: ``nox -s integration``).
 
@@ -6,9 +6,11 @@ Oracle: *measurement* on 2 and 4 ranks: the best configuration for a budget belo
 peak (every decoder layer wrapped and resharded, no checkpointing), applied with ``apply``,
 trains; each rank's measured peak (``tests/fsdp/_plan_real``'s profiler window) fits the budget
 and is within 10% of the prediction, and ``apply`` leaves the parameter names of the plain
-model. Eight decoder layers: ``fit``'s fake steps fold them (``shardweave.fsdp.plan._fold``),
-which the measurement then checks on transformers' own layers. Not covered: Qwen3-MoE (its routing, ``nonzero``, has a data-dependent shape that a
-fake-tensor step cannot run; ``fit`` says so as a ``PlanError``).
+model. Eight decoder layers each: ``fit``'s fake steps fold them
+(``shardweave.fsdp.plan._fold``), which the measurement then checks on transformers' own
+layers. Qwen3-MoE runs transformers' ``batched_mm`` experts: its default ``eager`` experts
+route with ``nonzero``, a data-dependent shape a fake-tensor step cannot run (``fit`` says so
+and names ``experts_implementation``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from tests._dist import WorkerPool
 from tests.fsdp._plan_real import _peak_in_window, measured_window, memory_profile
 
 SAMPLE = (8, 32)
-LAYER = "LlamaDecoderLayer"
 
 
 def llama() -> nn.Module:
@@ -43,14 +44,44 @@ def llama() -> nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
+def qwen3_moe() -> nn.Module:
+    """Qwen3-MoE with transformers' ``batched_mm`` experts: its shapes do not depend on the
+    routing (the default ``eager`` experts loop over ``nonzero``, which a fake step cannot
+    run; ``fit`` says so and names this switch)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=97,
+        num_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        experts_implementation="batched_mm",
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+# name -> (factory, the decoder layer class fit wraps)
+MODELS: dict[str, tuple[Any, str]] = {
+    "llama": (llama, "LlamaDecoderLayer"),
+    "qwen3_moe": (qwen3_moe, "Qwen3MoeDecoderLayer"),
+}
+
+
 def _loss(out: Any, inp: Any) -> torch.Tensor:
     return out.logits.float().pow(2).mean()
 
 
-def _measure(rank: int, world: int, cfg: dict[str, Any]) -> tuple[int, list[str]]:
+def _measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> tuple[int, list[str]]:
     with memory_profile() as prof:
         torch.manual_seed(0)
-        model = llama()
+        model = MODELS[kind][0]()
         names = [n for n, _ in model.named_parameters()]
         apply(model, FitConfig(**cfg), mesh=init_device_mesh("cpu", (world,)))
         assert [n for n, _ in model.named_parameters()] == names
@@ -68,31 +99,33 @@ def _measure(rank: int, world: int, cfg: dict[str, Any]) -> tuple[int, list[str]
     return _peak_in_window(prof)[0], names
 
 
-def _search(world: int, budget: int) -> Any:
+def _search(world: int, kind: str, budget: int) -> Any:
+    factory, layer = MODELS[kind]
     return fit(
-        llama,
+        factory,
         mesh=world,
         sample_input=(SAMPLE, torch.long),
         budget=budget,
-        wrap=LAYER,
+        wrap=layer,
         backend="gloo",
         loss_fn=_loss,
         offload_choices=(False,),
     )
 
 
-def check_best(pool: WorkerPool) -> None:
+def check_best(pool: WorkerPool, kind: str) -> None:
     world = pool.world_size
-    default = FitConfig(LAYER, True, False, None, None, 0, False)
-    everything = _search(world, 2**40)
+    default = FitConfig(MODELS[kind][1], True, False, None, None, 0, False)
+    everything = _search(world, kind, 2**40)
     assert everything.folded and len(everything.folded) == everything.fake_steps
     budget = int(next(f for f in everything.kept if f.config == default).peak_bytes * 0.9)
-    result = _search(world, budget)
+    result = _search(world, kind, budget)
     assert result.kept and default not in {f.config for f in result.kept}, result.advice
     best = result.kept[0]
-    for rank, (measured, _) in enumerate(pool.run(_measure, dataclasses.asdict(best.config))):
+    for rank, (measured, _) in enumerate(pool.run(_measure, dataclasses.asdict(best.config), kind)):
         assert measured <= budget, (best.config, rank, measured, budget)
         assert abs(measured - best.peak_bytes) <= 0.10 * measured, (
+            kind,
             best.config,
             rank,
             measured,

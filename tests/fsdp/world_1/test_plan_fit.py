@@ -450,3 +450,20 @@ def test_latency_and_optimizer_terms() -> None:
             if g.trainable_numel:
                 comm += g.reduce_scatter_bytes * ring / bw + lat
         assert row.terms["comm"] == pytest.approx(comm)
+
+
+class Routed(nn.Module):
+    """Routes by ``nonzero`` (as a mixture of experts' eager loop does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        picked = (x[:, 0] > 0).nonzero()[:, 0]
+        return self.proj(x[picked])
+
+
+def test_data_dependent_shape_is_named() -> None:
+    with pytest.raises(PlanError, match="depends on the\n?.*data.*experts_implementation"):
+        fit(Routed, mesh=2, sample_input=((4, 24), torch.float32), budget="1GiB")

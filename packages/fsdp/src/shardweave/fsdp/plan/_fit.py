@@ -478,7 +478,9 @@ def _trace(
             raise PlanError(
                 f"fit: the model's forward has an operator whose output shape depends on the "
                 f"data ({exc.__cause__}; e.g. mixture-of-experts routing with nonzero), which a "
-                "fake-tensor step cannot run; the sample input is not at fault"
+                "fake-tensor step cannot run; the sample input is not at fault. A transformers "
+                "MoE model can route without it: build it with "
+                "experts_implementation='batched_mm' in its config"
             ) from exc.__cause__
         if stack is not None:  # e.g. a forward indexing blocks the cut stack lacks
             raise FoldMismatch(str(exc)) from exc
