@@ -1,7 +1,7 @@
 """``fit`` against real training: bodies and checks for ``tests/fsdp/world_*/test_plan_fit_real``.
 
-The top configurations ``fit`` keeps for a model (the test GPT, or an MLP stack of residual
-blocks), applied with ``apply``, train on real ranks; their measured peak
+The top configurations ``fit`` keeps for a model (the test GPT, the demo's GPT, or an MLP
+stack of residual blocks), applied with ``apply``, train on real ranks; their measured peak
 (``tests/fsdp/_plan_real``: live bytes from the profiler's allocation events in the measured
 step's window, after a warm-up step so optimizer state exists) must fit the budget and be
 within 10% of the prediction. The budget is 90% of the default configuration's own peak (every block
@@ -31,8 +31,6 @@ from tests.fsdp._plan_real import (
 )
 
 
-# Per model: its factory, the class fit wraps, the sample input (every block wrapped and
-# resharded, no checkpointing, is the default configuration the budget rules out).
 class MLPBlock(nn.Module):
     """A residual two-layer MLP block: what checkpointing saves is its 4x-wide hidden layer."""
 
@@ -50,11 +48,24 @@ def mlp_blocks() -> nn.Sequential:
     return nn.Sequential(*(MLPBlock() for _ in range(4)), nn.Linear(MLP_INPUT[1], 3))
 
 
-# Per model: its factory, the class fit wraps, the sample input (every block wrapped and
-# resharded, no checkpointing, is the default configuration the budget rules out).
-MODELS: dict[str, tuple[Any, str, tuple[tuple[int, ...], torch.dtype]]] = {
-    "gpt": (gpt, "Block", (GPT_INPUT, torch.long)),
-    "mlp": (mlp_blocks, "MLPBlock", (MLP_INPUT, torch.float32)),
+def demo_gpt() -> nn.Module:
+    """The demo's GPT (``demos/model.py``, what ``demos/train_gpt.py`` trains), small."""
+    from demos.model import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=67, block_size=GPT_INPUT[1], n_layer=4, n_head=4, n_embd=32))
+
+
+def _demo_loss(out: Any, inp: torch.Tensor) -> torch.Tensor:
+    return loss_of("gpt")(out[0], inp)  # GPT.forward returns (logits, loss or None)
+
+
+# Per model: its factory, the class fit wraps, the sample input, the input and loss (every
+# block wrapped and resharded, no checkpointing, is the default configuration the budget rules
+# out).
+MODELS: dict[str, tuple[Any, str, tuple[tuple[int, ...], torch.dtype], str, Any]] = {
+    "gpt": (gpt, "Block", (GPT_INPUT, torch.long), "gpt", loss_of("gpt")),
+    "demo_gpt": (demo_gpt, "Block", (GPT_INPUT, torch.long), "gpt", _demo_loss),
+    "mlp": (mlp_blocks, "MLPBlock", (MLP_INPUT, torch.float32), "mlp", loss_of("mlp")),
 }
 
 
@@ -63,7 +74,7 @@ def default(kind: str) -> FitConfig:
 
 
 def search(world: int, kind: str, budget: int | None = None) -> FitResult:
-    factory, wrap, sample = MODELS[kind]
+    factory, wrap, sample, _, loss_fn = MODELS[kind]
     return fit(
         factory,
         mesh=world,
@@ -71,7 +82,7 @@ def search(world: int, kind: str, budget: int | None = None) -> FitResult:
         budget=budget or 2**40,
         wrap=wrap,
         backend="gloo",
-        loss_fn=loss_of(kind),
+        loss_fn=loss_fn,
         offload_choices=(False,),
     )
 
@@ -82,8 +93,8 @@ def measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> int:
         model = MODELS[kind][0]()
         apply(model, FitConfig(**cfg), mesh=init_device_mesh("cpu", (world,)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batch = make_input(kind, rank)
-        loss_fn = loss_of(kind)
+        _, _, _, input_kind, loss_fn = MODELS[kind]
+        batch = make_input(input_kind, rank)
         loss_fn(model(batch), batch).backward()
         opt.step()
         opt.zero_grad()

@@ -13,6 +13,6 @@ from tests._dist import WorkerPool
 from tests.fsdp._plan_fit_real import check_top
 
 
-@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+@pytest.mark.parametrize("kind", ["gpt", "demo_gpt", "mlp"])
 def test_fit_top3_train_within_budget_world2(world2: WorkerPool, kind: str) -> None:
     check_top(world2, 2, top=3, kind=kind)

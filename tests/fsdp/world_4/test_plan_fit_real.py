@@ -13,6 +13,6 @@ from tests._dist import WorkerPool
 from tests.fsdp._plan_fit_real import check_top
 
 
-@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+@pytest.mark.parametrize("kind", ["gpt", "demo_gpt", "mlp"])
 def test_fit_best_trains_within_budget_world4(world4: WorkerPool, kind: str) -> None:
     check_top(world4, 4, top=1, kind=kind)
