@@ -47,6 +47,7 @@ __all__ = [
     "SPMD_TYPES_PARAMS",
     "STATE_EXPOSES_ONE_GROUP",
     "TORCH_RELEASE",
+    "TORCH_VERSION",
     "all_gather_single",
     "has_grad_dtype_override",
     "reduce_scatter_single",
@@ -59,8 +60,10 @@ def _release(version: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-# The installed torch's release; every rule below is a comparison with it, made once.
-TORCH_RELEASE: tuple[int, int] = _release(torch.__version__)
+# The installed torch's version, for messages that name it, and its release: every rule below
+# is a comparison with the release, made once.
+TORCH_VERSION: str = str(torch.__version__)
+TORCH_RELEASE: tuple[int, int] = _release(TORCH_VERSION)
 
 # torch's pipelining reads a state's single ``_fsdp_param_group`` before 2.13.
 STATE_EXPOSES_ONE_GROUP: bool = TORCH_RELEASE < (2, 13)

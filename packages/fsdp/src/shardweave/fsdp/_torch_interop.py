@@ -33,8 +33,9 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
 from torch import nn
+
+from shardweave.fsdp._torch_compat import TORCH_VERSION
 
 if TYPE_CHECKING:
     from shardweave.fsdp._fsdp_state import FSDPState
@@ -106,7 +107,7 @@ def _method_guard(marker: type) -> type:
 def _refusing_method(name: str) -> Any:
     def refused(self: object, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError(
-            f"{type(self).__name__}.{name} is a method of torch {torch.__version__}'s "
+            f"{type(self).__name__}.{name} is a method of torch {TORCH_VERSION}'s "
             f"FSDPModule that shardweave does not implement yet, and shardweave never runs "
             "torch's FSDP code over its own modules; apply torch's fully_shard for this feature, "
             "or ask shardweave for it"
