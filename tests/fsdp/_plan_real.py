@@ -45,6 +45,9 @@ MLP_INPUT = (256, 24)
 def gpt(checkpoint: bool = False) -> TinyGPT:
     model = TinyGPT(vocab=67, dim=32, layers=8, seq=32)
     model.checkpoint = checkpoint
+    # read by ``keep_tagged_dtype``: the position embedding's output is added to the token
+    # embedding's, and the blocks' inputs are cast to param_dtype, so it may stay in fp32
+    model.pos.weight.keep_own_dtype = True  # type: ignore[attr-defined]
     return model
 
 
@@ -85,14 +88,28 @@ def loss_of(kind: str) -> Any:
     return mlp_loss if kind == "mlp" else gpt_loss
 
 
+def keep_tagged_dtype(param: nn.Parameter) -> torch.dtype | None:
+    """``param_dtype_override_fn``: a parameter tagged ``keep_own_dtype`` keeps its dtype."""
+    return param.dtype if getattr(param, "keep_own_dtype", False) else None
+
+
+def mp_policy_of(cfg: dict[str, Any]) -> MixedPrecisionPolicy | None:
+    """``mp``: bf16 compute, fp32 reduce; with ``override``, the gpt's position embedding
+    computed in fp32 (torch 2.15's ``param_dtype_override_fn``)."""
+    if not cfg.get("mp"):
+        return None
+    override = keep_tagged_dtype if cfg.get("override") else None
+    return MixedPrecisionPolicy(torch.bfloat16, torch.float32, param_dtype_override_fn=override)
+
+
 def plan_for(cfg: dict[str, Any], world: int) -> Plan:
     kind = cfg["kind"]
     return plan(
         FACTORIES[kind],
         mesh=cfg.get("mesh", world),
         wrap="Linear" if kind == "mlp" else "Block",
-        mp_policy="bf16" if cfg.get("mp") else None,
-        reduce_dtype="fp32" if cfg.get("mp") else cfg.get("reduce"),
+        mp_policy=mp_policy_of(cfg),
+        reduce_dtype=None if cfg.get("mp") else cfg.get("reduce"),
         reshard_after_forward=cfg.get("reshard", True),
         optimizer=cfg.get("optim", "adamw"),
         sample_input=(MLP_INPUT, torch.float32) if kind == "mlp" else (GPT_INPUT, torch.long),
@@ -284,7 +301,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     last = shard_mesh.get_local_rank() == shard_mesh.size() - 1
     kwargs: dict[str, Any] = {"mesh": mesh}
     if cfg.get("mp"):
-        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+        kwargs["mp_policy"] = mp_policy_of(cfg)
     elif cfg.get("reduce"):  # fp32 compute, gradients reduced in a lower precision
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             reduce_dtype={"bf16": torch.bfloat16}[cfg["reduce"]]

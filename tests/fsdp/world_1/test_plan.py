@@ -113,6 +113,26 @@ def test_mixed_precision_dtypes() -> None:
     assert r.comm_bytes["reduce_scatter"] == 4 * 22 * BF16
 
 
+def test_param_dtype_override_fn() -> None:
+    """torch 2.15's ``param_dtype_override_fn`` (offered on every torch): a bias kept in its
+    own dtype is gathered in fp32, the weight in bf16; a bad answer is ``fully_shard``'s
+    ``ValueError``, as a ``PlanError``. (The real engine's gathered bytes with an override:
+    ``test_plan_vs_real``'s ``override`` case.)"""
+    keep_bias = MixedPrecisionPolicy(
+        torch.bfloat16,
+        torch.float32,
+        param_dtype_override_fn=lambda p: p.dtype if p.ndim == 1 else None,
+    )
+    p = plan(lambda: nn.Linear(10, 7), mesh=4, mp_policy=keep_bias)
+    # weight: 7 rows padded to 8, 2 per rank, 10 columns; bias: 2 per rank
+    assert p.peak_gathered_param_bytes == 4 * 20 * BF16 + 4 * 2 * F32
+    everything_bf16 = plan(lambda: nn.Linear(10, 7), mesh=4, mp_policy="bf16")
+    assert everything_bf16.peak_gathered_param_bytes == 4 * 22 * BF16
+    fp16 = MixedPrecisionPolicy(torch.bfloat16, param_dtype_override_fn=lambda p: torch.float16)
+    with pytest.raises(PlanError, match="param_dtype_override_fn must return None"):
+        plan(lambda: nn.Linear(10, 7), mesh=4, mp_policy=fp16)
+
+
 def test_hsdp_all_reduce() -> None:
     p = plan(lambda: nn.Linear(10, 7), mesh="2x4", optimizer="sgd_momentum")
     assert (p.replicate_size, p.shard_size, p.world_size) == (2, 4, 8)

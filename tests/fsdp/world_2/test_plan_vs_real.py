@@ -22,6 +22,7 @@ CASES: list[dict[str, Any]] = [
     {"kind": "gpt"},
     {"kind": "gpt_ac"},
     {"kind": "gpt", "mp": True},
+    {"kind": "gpt", "mp": True, "override": True},  # param_dtype_override_fn
     {"kind": "gpt", "reshard": False},
     {"kind": "mlp", "optim": "sgd_momentum"},
     {"kind": "gpt", "mesh": (2, 1)},

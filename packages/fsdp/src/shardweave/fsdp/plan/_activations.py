@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,10 +244,15 @@ def _pre_backward(replay: Replay, key: str, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _swap_to_compute_dtype(
-    model: nn.Module, specs: Sequence[GroupSpec], mode: Any, param_dtype: torch.dtype | None
+    model: nn.Module,
+    specs: Sequence[GroupSpec],
+    mode: Any,
+    param_dtype: torch.dtype | None,
+    param_dtypes: Mapping[str, torch.dtype | None],
 ) -> dict[str, list[nn.Parameter]]:
     """Replace each managed parameter by an unsharded one in its compute dtype (tied
-    parameters stay tied); returns each group's new parameters."""
+    parameters stay tied; ``param_dtypes`` overrides ``param_dtype`` per FQN); returns each
+    group's new parameters."""
     by_fqn = {s.key: {p.fqn for p in s.params} for s in specs}
     new: dict[int, nn.Parameter] = {}
     params_of: dict[str, list[nn.Parameter]] = {s.key: [] for s in specs}
@@ -259,8 +264,9 @@ def _swap_to_compute_dtype(
                 continue
             if id(p) not in new:
                 dtype = p.dtype
-                if param_dtype is not None and p.dtype.is_floating_point:
-                    dtype = param_dtype
+                compute = param_dtypes.get(fqn_of.get(id(p), ""), param_dtype)
+                if compute is not None and p.dtype.is_floating_point:
+                    dtype = compute
                 with mode:
                     q = nn.Parameter(
                         torch.empty(p.shape, dtype=dtype, device=p.device),
@@ -314,12 +320,13 @@ def run_fake_step(
     loss_fn: LossFn | None,
     param_dtype: torch.dtype | None,
     extra_hooks: Callable[[nn.Module], list[Any]] | None = None,
+    param_dtypes: Mapping[str, torch.dtype | None] | None = None,
 ) -> FakeStepResult:
     """One forward and backward of ``model`` (built under ``mode``) on ``sample``.
     ``extra_hooks``: installs more hooks after the engine's (``fit``'s fold markers) and
     returns their handles."""
     started = time.perf_counter()
-    params_of = _swap_to_compute_dtype(model, specs, mode, param_dtype)
+    params_of = _swap_to_compute_dtype(model, specs, mode, param_dtype, param_dtypes or {})
     tracker = _LiveBytes(replay)
     for t in (*model.parameters(), *model.buffers()):
         tracker.know(t)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 import torch
@@ -305,8 +305,18 @@ def plan(
         shard_placement_fn=shard_placement_fn,
         shard_size=shard_size,
     )
+    param_dtypes = resolved_param_dtypes(model, mp)
     groups, traffic = group_plans(
-        specs, block_reshard, root_reshard, shard_size, mp, states, replicate_size, backend, offload
+        specs,
+        block_reshard,
+        root_reshard,
+        shard_size,
+        mp,
+        states,
+        replicate_size,
+        backend,
+        offload,
+        param_dtypes,
     )
     sched = simulate_step(
         traffic,
@@ -364,7 +374,14 @@ def plan(
             stream_ordered=backend == "nccl",
         )
         fake = run_fake_step(
-            model, fake_tensors, specs, replay, sample_input, loss_fn, mp.param_dtype
+            model,
+            fake_tensors,
+            specs,
+            replay,
+            sample_input,
+            loss_fn,
+            mp.param_dtype,
+            param_dtypes=param_dtypes,
         )
         fs = fake.schedule
         phase, group, event = fs.peak_moment
@@ -466,6 +483,7 @@ def _group_plan(
     all_reduce: bool,
     gloo: bool,
     offload: bool,
+    param_dtypes: Mapping[str, torch.dtype | None],
 ) -> tuple[GroupPlan, GroupTraffic]:
     params: list[ParamPlan] = []
     numel = trainable = padded = 0
@@ -475,8 +493,9 @@ def _group_plan(
     casts = False
     for p in spec.params:
         lay = layout(p.shape, world, p.shard_dim)
-        ud = unsharded_dtype(p.dtype, mp.param_dtype)
-        rd = reduce_dtype(p.dtype, mp.param_dtype, mp.reduce_dtype)
+        pd = param_dtypes.get(p.fqn, mp.param_dtype)
+        ud = unsharded_dtype(p.dtype, pd)
+        rd = reduce_dtype(p.dtype, pd, mp.reduce_dtype)
         casts |= ud != p.dtype
         orig = p.dtype.itemsize
         numel += lay.numel
@@ -619,6 +638,20 @@ def _rank_rows(
     }
 
 
+def resolved_param_dtypes(
+    model: nn.Module, mp: MixedPrecisionPolicy
+) -> dict[str, torch.dtype | None] | None:
+    """Each parameter's ``param_dtype`` as ``mp.param_dtype_override_fn`` decides it (None
+    without the callable); its bad answers are ``fully_shard``'s ``ValueError``, as a
+    ``PlanError``."""
+    if mp.param_dtype_override_fn is None:
+        return None
+    try:
+        return {fqn: mp.resolve_param_dtype(p) for fqn, p in model.named_parameters()}
+    except ValueError as exc:
+        raise PlanError(f"plan: {exc}") from exc
+
+
 def group_plans(
     specs: Sequence[GroupSpec],
     reshard: bool | int | None,
@@ -629,16 +662,27 @@ def group_plans(
     replicate_size: int,
     backend: str,
     offload: bool,
+    param_dtypes: Mapping[str, torch.dtype | None] | None = None,
 ) -> tuple[list[GroupPlan], list[GroupTraffic]]:
     """Every group's plan and the traffic its replay needs, under one configuration: for
-    ``plan`` and for each configuration ``fit`` searches."""
+    ``plan`` and for each configuration ``fit`` searches. ``param_dtypes``: per parameter FQN,
+    its ``param_dtype`` where ``mp.param_dtype_override_fn`` decides it
+    (``resolved_param_dtypes``)."""
     groups: list[GroupPlan] = []
     traffic: list[GroupTraffic] = []
     for spec in specs:
         is_root = spec.key == ROOT_KEY
         mode = _resolve_reshard(root_reshard if is_root else reshard, shard_size, is_root)
         gp, tr = _group_plan(
-            spec, mode, shard_size, mp, states, replicate_size > 1, backend == "gloo", offload
+            spec,
+            mode,
+            shard_size,
+            mp,
+            states,
+            replicate_size > 1,
+            backend == "gloo",
+            offload,
+            param_dtypes or {},
         )
         groups.append(gp)
         traffic.append(tr)
