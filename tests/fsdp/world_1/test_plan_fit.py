@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from shardweave.fsdp import MixedPrecisionPolicy
+from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from shardweave.fsdp.plan import FitConfig, PlanError, fit, format_fit, parse_budget, plan
 from shardweave.fsdp.plan._apply import checkpoint_blocks
 from shardweave.fsdp.plan._fit import DEVICES, STEP_TERMS, _flops_and_trace
@@ -467,3 +468,13 @@ class Routed(nn.Module):
 def test_data_dependent_shape_is_named() -> None:
     with pytest.raises(PlanError, match=r"depends on the\s+data.*experts_implementation"):
         fit(Routed, mesh=2, sample_input=((4, 24), torch.float32), budget="1GiB")
+
+
+def test_label_names_the_reduce_dtype() -> None:
+    """With ``reduce_dtype=None`` the label names what the engine reduces in: the parameters'
+    own dtype from torch 2.15, ``param_dtype`` before."""
+    cfg = FitConfig("Block", True, False, "bf16", None, 0, False)
+    expected = "fp32" if REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE else "bf16"
+    assert f"mp=bf16/{expected} " in cfg.describe()
+    assert "mp=bf16/fp32 " in dataclasses.replace(cfg, reduce_dtype="fp32").describe()
+    assert "mp=fp32/fp32 " in dataclasses.replace(cfg, param_dtype=None).describe()

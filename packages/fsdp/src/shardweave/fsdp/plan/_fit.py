@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
+from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from shardweave.fsdp.plan._activations import SampleInput, fake_mode, run_fake_step
 from shardweave.fsdp.plan._apply import checkpoint_blocks
 from shardweave.fsdp.plan._fold import (
@@ -222,9 +223,19 @@ class FitConfig:
         return (
             f"wrap={self.wrap or '-'} reshard={self.reshard_after_forward} "
             f"root_reshard={self.root_reshard_after_forward} "
-            f"mp={self.param_dtype or 'fp32'}/{self.reduce_dtype or self.param_dtype or 'fp32'} "
+            f"mp={self.param_dtype or 'fp32'}/{_reduce_label(self.param_dtype, self.reduce_dtype)} "
             f"checkpoint={ac} offload={self.offload}"
         )
+
+
+def _reduce_label(param: str | None, reduce: str | None, model: str = "fp32") -> str:
+    """The dtype gradients are reduced in: ``reduce``, or without it the parameters' own
+    dtype from torch 2.15 (``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE``) and ``param`` before."""
+    if reduce is not None:
+        return reduce
+    if param is None or REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE:
+        return model
+    return param
 
 
 def _every(k: int) -> str:
@@ -673,7 +684,7 @@ def fit(
         "reshard_after_forward": reshards,
         "root_reshard_after_forward": [False, True],
         "mixed_precision (param, reduce)": [
-            [p or "model dtype", r or p or "model dtype"] for p, r in precisions
+            [p or "model dtype", _reduce_label(p, r, "model dtype")] for p, r in precisions
         ],
         "activation_checkpointing": [_every(k) for k in checkpoint_choices],
         "cpu_offload": list(offload_choices),
