@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
+from shardweave.fsdp._fsdp_state import get_fsdp_state
 
 Event = tuple[object, ...]
 
@@ -217,16 +218,47 @@ class BF16Gather(torch.Tensor):
         return upcast, (gathered, upcast)
 
 
+class ReleasingBF16Gather(BF16Gather):
+    """``BF16Gather`` whose post-hook keeps only its own upcast copy and says so with torch
+    2.15's ``fsdp_should_release_all_gather_outputs_after_post_all_gather`` (``RELEASE``
+    answers it: True, or a non-bool to be refused)."""
+
+    RELEASE: Any = True
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], meta: None, outer_size: object, outer_stride: object
+    ) -> ReleasingBF16Gather:
+        return ReleasingBF16Gather(inner["_data"])
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> Any:
+        return ReleasingBF16Gather.RELEASE
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        result = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        if result is None:
+            return None
+        upcast, _ = result
+        return upcast, (upcast,)  # the gathered bf16 buffer is not kept
+
+
 class WideMLP(nn.Module):
     """dim 3, hidden 9: uneven at 2 ranks (rows 9 -> 5 + 4, 3 -> 2 + 1); weights ``BF16Gather``,
     biases plain, in one parameter group."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrapper: type[BF16Gather] = BF16Gather) -> None:
         super().__init__()
         self.in_proj = nn.Linear(3, 9)
         self.out_proj = nn.Linear(9, 3)
         for lin in (self.in_proj, self.out_proj):
-            lin.weight = nn.Parameter(BF16Gather(lin.weight.detach().clone()))
+            lin.weight = nn.Parameter(wrapper(lin.weight.detach().clone()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.out_proj(torch.relu(self.in_proj(x)))
@@ -361,6 +393,64 @@ def bf16_gather_uneven(rank: int, world: int, raf: bool) -> dict[str, int]:
     assert {e[3] for e in pres} == {((5, 3),), ((2, 9),)}, pres  # padded shard sizes
     assert {e[4] for e in pres} == {((9, 3), (3, 1), "Linear"), ((3, 9), (9, 1), "Linear")}
     return kinds(events)
+
+
+def _gather_output_bytes(model: nn.Module) -> list[int]:
+    """Storage bytes of every extension parameter's all-gather outputs (our engine)."""
+    return [
+        sum(t.untyped_storage().nbytes() for t in p._all_gather.state.outputs or ())
+        for m in model.modules()
+        if (state := get_fsdp_state(m)) is not None
+        for g in state._fsdp_param_groups
+        for p in g.fsdp_params
+        if p._all_gather.is_extension
+    ]
+
+
+def bf16_gather_release(rank: int, world: int, raf: bool) -> dict[str, int]:
+    """torch 2.15's ``fsdp_should_release_all_gather_outputs_after_post_all_gather``: trained
+    against torch (which frees them too from 2.15, and ignores the hook before), bitwise; with
+    the parameters unsharded after a forward (``reshard_after_forward=False``), the outputs
+    are already freed (right after each post-hook), where the plain ``BF16Gather``'s are still
+    held."""
+    global LOG
+    LOG = HookLog()
+    ReleasingBF16Gather.RELEASE = True
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        m = WideMLP(ReleasingBF16Gather)
+        shard(m, reshard_after_forward=raf)
+        models.append(m)
+    events = train_side_by_side(models[0], models[1], rank, 3, f"bf16 release raf={raf}")
+    if not raf:
+        # Unsharded after a forward: the plain wrapper's outputs are still held (54 bytes
+        # each at 2 ranks), the releasing one's are freed.
+        kept = WideMLP()
+        fully_shard(kept, reshard_after_forward=False)
+        x = torch.randn(2, 3)
+        outs = [m(x).sum() for m in (kept, models[0])]
+        held, released = _gather_output_bytes(kept), _gather_output_bytes(models[0])
+        assert len(held) == 2 and all(n > 0 for n in held), held
+        assert released == [0, 0], released
+        for out in outs:
+            out.backward()
+    return kinds(events)
+
+
+def bf16_gather_release_not_bool(rank: int, world: int) -> str:
+    """A non-bool answer is refused at the first forward (lazy init), naming the parameter."""
+    ReleasingBF16Gather.RELEASE = "yes"
+    try:
+        m = WideMLP(ReleasingBF16Gather)
+        fully_shard(m)
+        try:
+            m(torch.randn(2, 3))
+        except AssertionError as exc:
+            return str(exc)
+        return "nothing raised"
+    finally:
+        ReleasingBF16Gather.RELEASE = True
 
 
 def two_tensor_hsdp(rank: int, world: int) -> dict[str, int]:

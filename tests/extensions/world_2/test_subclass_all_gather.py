@@ -16,6 +16,8 @@ import pytest
 
 from tests._dist import WorkerPool
 from tests.extensions._subclass_gather import (
+    bf16_gather_release,
+    bf16_gather_release_not_bool,
     bf16_gather_uneven,
     two_tensor_meta_mixed_precision,
     two_tensor_train_parity,
@@ -56,3 +58,19 @@ def test_uneven_shards_padded_by_pre_hook(world2: WorkerPool, reshard_after_forw
     (which runs one step with ``reshard_after_forward=False`` only)."""
     counts = world2.run(bf16_gather_uneven, reshard_after_forward)
     assert counts == [_counts(2, 3, reshard_after_forward)] * 2
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_release_outputs_after_post_all_gather(
+    world2: WorkerPool, reshard_after_forward: bool
+) -> None:
+    """torch 2.15's ``fsdp_should_release_all_gather_outputs_after_post_all_gather`` (offered
+    on every torch): bitwise with torch, the hooks called as torch calls them, and the
+    all-gather outputs freed once the post-hook made its copy."""
+    counts = world2.run(bf16_gather_release, reshard_after_forward)
+    assert counts == [_counts(2, 3, reshard_after_forward)] * 2
+
+
+def test_release_hook_must_answer_a_bool(world2: WorkerPool) -> None:
+    messages = world2.run(bf16_gather_release_not_bool)
+    assert all("must return a bool, got str" in m and "in_proj.weight" in m for m in messages)

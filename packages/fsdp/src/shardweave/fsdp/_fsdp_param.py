@@ -453,7 +453,13 @@ class FSDPParam:
         """Pick the all-gather: the sharded local tensor's own (torch's fsdp_pre/post_all_gather
         protocol, or the ``all_gather`` part of its class's ``PARAM_KINDS`` kind), else the flat
         one. Called at lazy init, so hooks patched on after ``to_empty`` count."""
-        found = detect_subclass_all_gather(self, self.sharded_local_tensor(), mp_policy)
+        info = self.post_forward_mesh_info
+        found = detect_subclass_all_gather(
+            self,
+            self.sharded_local_tensor(),
+            mp_policy,
+            int_reshard=info is not None and info != self.mesh_info,
+        )
         self._all_gather = found or _FLAT_ALL_GATHER
 
     @property

@@ -74,6 +74,9 @@ class SubclassGatherState:
     input_dtypes: list[torch.dtype] = field(default_factory=list)
     outputs: list[torch.Tensor] | None = None  # 1D each, every rank's input i, rank-major
     inner: tuple[torch.Tensor, ...] = ()  # tensors post_all_gather allocated; freed on reshard
+    # torch 2.15's fsdp_should_release_all_gather_outputs_after_post_all_gather: the post-hook
+    # made its own copy, so the outputs are freed as soon as it returns, not at reshard
+    release_outputs: bool = False
 
 
 class SubclassAllGather:
@@ -151,7 +154,15 @@ class SubclassAllGather:
             with torch.autograd.grad_mode._unsafe_preserve_version_counter(current):
                 state.post(outs, state.metadata, dtype, out=current)
         state.metadata = None
+        self.release_outputs_after_post()
         return result
+
+    def release_outputs_after_post(self) -> None:
+        """Free the output buffers once the post-hook has run, where the tensor asked for it
+        (the next unshard allocates them again)."""
+        if self.state.release_outputs:
+            for t in self.state.outputs or ():
+                free_storage(t)
 
     def free(self) -> None:
         """Release the output buffers and the post-hook's tensors (at reshard)."""
@@ -159,14 +170,24 @@ class SubclassAllGather:
             free_storage(t)
 
 
+RELEASE_HOOK = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
+
+
 def detect_subclass_all_gather(
-    param: GatheredParam, local: torch.Tensor, mp_policy: MixedPrecisionPolicy
+    param: GatheredParam,
+    local: torch.Tensor,
+    mp_policy: MixedPrecisionPolicy,
+    int_reshard: bool = False,
 ) -> SubclassAllGather | None:
     """The protocol for ``param`` whose sharded local tensor is ``local``, if it has one.
 
     torch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the tensor win; else the
     ``all_gather`` part of the ``PARAM_KINDS`` kind registered for its class. Detected at the
-    root's lazy init, so hooks patched on after ``to_empty`` count.
+    root's lazy init, so hooks patched on after ``to_empty`` count. A tensor may also define
+    torch 2.15's ``fsdp_should_release_all_gather_outputs_after_post_all_gather()`` (a bool:
+    free the all-gather outputs right after the post-hook; refused with an int
+    ``reshard_after_forward``, ``int_reshard``, whose post-forward shard is cut from them), on
+    every torch.
     """
     pre = getattr(local, "fsdp_pre_all_gather", None)
     post = getattr(local, "fsdp_post_all_gather", None)
@@ -182,15 +203,37 @@ def detect_subclass_all_gather(
             f"'{param.param_fqn}': a tensor defining one of fsdp_pre_all_gather / "
             "fsdp_post_all_gather must define both"
         )
+    release_fn = getattr(local, RELEASE_HOOK, None)
+    if release_fn is not None and post is None:
+        raise AssertionError(
+            f"'{param.param_fqn}': {RELEASE_HOOK} needs fsdp_pre_all_gather and "
+            "fsdp_post_all_gather on the same tensor"
+        )
     if pre is None or post is None:
         return None
+    release = False
+    if release_fn is not None:
+        release = release_fn()
+        if not isinstance(release, bool):
+            raise AssertionError(
+                f"'{param.param_fqn}': {RELEASE_HOOK} must return a bool, got "
+                f"{type(release).__name__}"
+            )
+        if release and int_reshard:
+            raise NotImplementedError(
+                f"'{param.param_fqn}': {RELEASE_HOOK} returned True with an int "
+                "reshard_after_forward, whose post-forward shard is cut from the all-gather "
+                "outputs; use reshard_after_forward=True or False"
+            )
     arity = len(inspect.signature(pre).parameters)
     if arity not in (1, 5):
         raise AssertionError(
             f"'{param.param_fqn}': fsdp_pre_all_gather must take (mesh) or (mesh, "
             f"outer_size, outer_stride, module, mp_policy), got {arity} parameters"
         )
-    return SubclassAllGather(SubclassGatherState(pre, post, arity == 1, mp_policy))
+    return SubclassAllGather(
+        SubclassGatherState(pre, post, arity == 1, mp_policy, release_outputs=release)
+    )
 
 
 def _plugin_hooks(param: GatheredParam, plugin: AllGatherExtension) -> tuple[Any, Any]:
