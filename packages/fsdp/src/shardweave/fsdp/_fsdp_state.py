@@ -27,7 +27,7 @@ from shardweave.fsdp._fsdp_common import (
     run_eagerly,
 )
 from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
-from shardweave.fsdp._spmd_types import outside_typecheck
+from shardweave.fsdp._spmd_types import activate_outside_typecheck, outside_typecheck
 from shardweave.fsdp._torch_compat import STATE_EXPOSES_ONE_GROUP
 from shardweave.mesh import DDPMeshInfo
 
@@ -163,10 +163,13 @@ class FSDPState:
         # What torch calls back into, each made once and run outside dynamo's tracing (see
         # Design note: hooks run eagerly, _fsdp_common); register_fsdp_forward_method uses the
         # forward pair too.
+        # The outside_typecheck methods are looked up when called: spmd_types loaded after
+        # this (activate_outside_typecheck at lazy init) still wraps them.
+        activate_outside_typecheck()
         self.pre_forward_hook = run_eagerly(self._pre_forward)
-        self.post_forward_hook = run_eagerly(self._post_forward)
-        self._pre_backward_hook = run_eagerly(self._pre_backward)
-        self._final_callback = run_eagerly(self._root_post_backward_final_callback)
+        self.post_forward_hook = run_eagerly(lambda *a: self._post_forward(*a))
+        self._pre_backward_hook = run_eagerly(lambda grad: self._pre_backward(grad))
+        self._final_callback = run_eagerly(lambda: self._root_post_backward_final_callback())
         self._reductions_callback = run_eagerly(self._finish_reductions_at_backward_end)
         self._register_forward_hooks()
 
@@ -242,6 +245,7 @@ class FSDPState:
     def _lazy_init(self) -> None:
         if self._is_root is not None:
             return  # already a root, or adopted by one
+        activate_outside_typecheck()  # spmd_types loaded after fully_shard
         if len(self._modules) > 1:
             kinds = ", ".join(type(m).__name__ for m in self._modules)
             raise RuntimeError(

@@ -45,6 +45,7 @@ from shardweave.mesh.extension_points import ParamHandler
 
 __all__ = [
     "SpmdTypesHandler",
+    "activate_outside_typecheck",
     "as_storage_param",
     "outside_typecheck",
     "register_local_function",
@@ -58,12 +59,42 @@ def _spmd() -> ModuleType | None:
     return sys.modules.get("spmd_types") if SPMD_TYPES_PARAMS else None
 
 
-def outside_typecheck(fn: _F) -> _F:
-    """``fn`` (an FSDP hook or step) run under ``spmd_types.no_typecheck()``, as torch runs its
-    own, where this torch converts annotated parameters and ``spmd_types`` is loaded; otherwise
-    it costs one call and one dict lookup (about 80 ns; these run a few times per group and
-    step)."""
+class _OutsideTypecheck:
+    """Class-body marker of an ``outside_typecheck`` method: at class creation it puts the
+    plain function back in the class and remembers where, for ``activate_outside_typecheck``."""
 
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        setattr(owner, name, self.fn)
+        _OUTSIDE_TYPECHECK.append((owner, name, self.fn))
+
+
+_OUTSIDE_TYPECHECK: list[tuple[type, str, Callable[..., Any]]] = []
+_ACTIVE = False
+
+
+def outside_typecheck(fn: _F) -> _F:
+    """``fn`` (an FSDP hook or step method) to run under ``spmd_types.no_typecheck()``, as torch
+    runs its own, once ``spmd_types`` is loaded under a torch that converts its annotations.
+    Until then the method is the plain function: these run several times per group and step,
+    and a wrapper on every call was 1 to 2% of the engine's host time (``host_time.py``)."""
+    return cast("_F", _OutsideTypecheck(fn))
+
+
+def activate_outside_typecheck() -> None:
+    """Wrap every ``outside_typecheck`` method, where ``spmd_types`` is loaded (called at
+    ``fully_shard``, for every parameter, and at lazy init; idempotent)."""
+    global _ACTIVE
+    if _ACTIVE or _spmd() is None:
+        return
+    _ACTIVE = True
+    for owner, name, fn in _OUTSIDE_TYPECHECK:
+        setattr(owner, name, _run_outside_typecheck(fn))
+
+
+def _run_outside_typecheck(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         spmd = _spmd()
@@ -72,7 +103,7 @@ def outside_typecheck(fn: _F) -> _F:
         with spmd.no_typecheck():
             return fn(*args, **kwargs)
 
-    return cast("_F", run)
+    return run
 
 
 _REGISTERED: set[type] = set()
@@ -116,6 +147,7 @@ def as_storage_param(
     spmd = _spmd()
     if spmd is None or isinstance(param, DTensor):
         return None
+    activate_outside_typecheck()
     local_type = spmd.get_local_type(param)
     if not local_type:
         return None
