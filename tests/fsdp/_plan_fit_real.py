@@ -26,8 +26,8 @@ from tests.fsdp._plan_real import (
     gpt,
     loss_of,
     make_input,
-    measured_window,
     memory_profile,
+    warm_then_measure,
 )
 
 
@@ -94,16 +94,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> int:
         apply(model, FitConfig(**cfg), mesh=init_device_mesh("cpu", (world,)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         _, _, _, input_kind, loss_fn = MODELS[kind]
-        batch = make_input(input_kind, rank)
-        loss_fn(model(batch), batch).backward()
-        opt.step()
-        opt.zero_grad()
-        with measured_window():
-            loss = loss_fn(model(batch), batch)
-            loss.backward()
-            del loss
-        opt.step()
-        opt.zero_grad()
+        warm_then_measure(model, opt, make_input(input_kind, rank), loss_fn)
     return _peak_in_window(prof)[0]
 
 

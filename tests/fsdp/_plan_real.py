@@ -178,6 +178,22 @@ def measured_window() -> Iterator[None]:
         yield
 
 
+def warm_then_measure(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: Any, loss_fn: Any
+) -> None:
+    """A training step to warm up (optimizer state exists after it), then one forward and
+    backward inside the measured window, then their optimizer step: inside ``memory_profile``."""
+    loss_fn(model(batch), batch).backward()
+    opt.step()
+    opt.zero_grad()
+    with measured_window():
+        loss = loss_fn(model(batch), batch)
+        loss.backward()
+        del loss
+    opt.step()
+    opt.zero_grad()
+
+
 def _is_backend_staging(ev: Any, main_tid: int) -> bool:
     """An allocation the process group made for a collective: on one of its own threads, or
     on the training thread inside a ``c10d::`` op (gloo clones a reduce-scatter's input

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shardweave.fsdp.plan import FitConfig, apply, fit
 from tests._dist import WorkerPool
-from tests.fsdp._plan_real import _peak_in_window, measured_window, memory_profile
+from tests.fsdp._plan_real import _peak_in_window, memory_profile, warm_then_measure
 
 SAMPLE = (8, 32)
 
@@ -87,15 +87,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> tuple[int
         assert [n for n, _ in model.named_parameters()] == names
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         batch = torch.randint(0, 97, SAMPLE, generator=torch.Generator().manual_seed(rank))
-        _loss(model(batch), batch).backward()
-        opt.step()
-        opt.zero_grad()
-        with measured_window():
-            loss = _loss(model(batch), batch)
-            loss.backward()
-            del loss
-        opt.step()
-        opt.zero_grad()
+        warm_then_measure(model, opt, batch, _loss)
     return _peak_in_window(prof)[0], names
 
 

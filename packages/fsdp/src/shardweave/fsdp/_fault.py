@@ -672,6 +672,7 @@ def check_collective(
     local = torch.tensor(sig, dtype=torch.int64, device=device)
     gathered = torch.empty(world * _SIG_LEN, dtype=torch.int64, device=device)
     work = all_gather_single(gathered, local, group=group, async_op=True)  # 2.11 lacks dist's
+    assert work is not None  # async_op=True always hands back the Work
     if watch is not None:
         watch(work)
     wait(work, f"the collective check before the {mine}", device)
