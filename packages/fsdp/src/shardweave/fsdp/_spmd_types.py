@@ -84,8 +84,8 @@ def outside_typecheck(fn: _F) -> _F:
 
 
 def activate_outside_typecheck() -> None:
-    """Wrap every ``outside_typecheck`` method, where ``spmd_types`` is loaded (called at
-    ``fully_shard``, for every parameter, and at lazy init; idempotent)."""
+    """Wrap every ``outside_typecheck`` method, where ``spmd_types`` is loaded (called when a
+    state is made, at ``fully_shard``, and at lazy init; idempotent)."""
     global _ACTIVE
     if _ACTIVE or _spmd() is None:
         return
@@ -147,7 +147,6 @@ def as_storage_param(
     spmd = _spmd()
     if spmd is None or isinstance(param, DTensor):
         return None
-    activate_outside_typecheck()
     local_type = spmd.get_local_type(param)
     if not local_type:
         return None

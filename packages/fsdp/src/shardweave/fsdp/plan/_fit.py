@@ -442,22 +442,26 @@ def _flops_and_trace(
     """One recorded fake step (its events, FLOPs included) for a wrapping, precision and
     checkpointing choice; over a few blocks of a stack of alike blocks when ``fold``
     (``_fold``), else, or when the kept blocks do not repeat, over the whole model."""
-    for folding in (True, False) if fold else (False,):
+
+    def build() -> tuple[Any, nn.Module, list[GroupSpec]]:
         mode = fake_mode()
         with mode:
             model = factory()
         specs = specs_of(model)
         if wrap is not None and every:
             _checkpoint_forwards(model, wrap, every)
-        stack = find_fold(model, period=max(every, 1)) if folding else None
-        if folding and stack is None:
-            continue
+        return mode, model, specs
+
+    mode, model, specs = build()
+    stack = find_fold(model, period=max(every, 1)) if fold else None
+    if stack is not None:
         try:
             events = _trace(model, mode, specs, stack, traffic, sample, loss_fn, param_dtype)
+            return events, float(sum(_flops(events))), stack
         except FoldMismatch:
-            continue
-        return events, float(sum(_flops(events))), stack
-    raise AssertionError("unreachable: the unfolded step either returns or raises")
+            mode, model, specs = build()  # the cut was made in place: a whole model again
+    events = _trace(model, mode, specs, None, traffic, sample, loss_fn, param_dtype)
+    return events, float(sum(_flops(events))), None
 
 
 def _trace(
@@ -503,9 +507,9 @@ def _trace(
 
 def _grad_bytes(
     specs: list[GroupSpec], stack: Fold, param_dtype: torch.dtype | None
-) -> Callable[[str, int], tuple[int, int]]:
-    """For ``_fold.unfold``: a group's gradient bytes in one block of the stack, and in
-    everything the cut model kept."""
+) -> Callable[[str], tuple[int, int]]:
+    """For ``_fold.unfold``: a group's gradient bytes in one block of the stack (the blocks
+    are alike: the first), and in everything the cut model kept."""
     by_key = {s.key: s for s in specs}
     head = f"{stack.fqn}."
 
@@ -516,12 +520,12 @@ def _grad_bytes(
         dtype = param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
         return int(math.prod(p.shape)) * int(dtype.itemsize)
 
-    def grad_bytes(key: str, block: int) -> tuple[int, int]:
+    def grad_bytes(key: str) -> tuple[int, int]:
         spec = by_key.get(key)
         if spec is None or key.startswith(head):  # a block's own group: copied with it
             return 0, 0
         grads = [p for p in spec.params if p.requires_grad]
-        per_block = sum(nbytes(p) for p in grads if block_of(p.fqn) == block)
+        per_block = sum(nbytes(p) for p in grads if block_of(p.fqn) == 0)
         kept = sum(nbytes(p) for p in grads if (b := block_of(p.fqn)) is None or b < stack.keep)
         return per_block, kept
 

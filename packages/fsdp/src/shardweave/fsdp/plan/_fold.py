@@ -14,14 +14,15 @@ What makes it exact, not an approximation:
   never copied;
 * each middle block of the full model is a copy of the kept block with the same index modulo
   ``period`` (activation checkpointing every k-th block makes blocks alike only k apart), and
-  the kept middle blocks must already repeat with that period (``Folded.verify``), or the step
-  is run unfolded;
+  the kept middle blocks must already repeat with that period (checked in ``unfold``), or the
+  step is run unfolded;
 * the events are deltas (bytes allocated and freed, calls into the schedule's replay keyed by
   group), never running totals, so a copied segment means the same wherever it lands;
-* a group that holds parameters of several blocks (the root, when the blocks are not wrapped)
-  frees the gradients of the cut blocks in its post-backward too: those bytes are added to
-  its recorded free, after checking that the recorded free is exactly its kept parameters'
-  gradient bytes.
+* a group that holds parameters of several blocks and runs its own post-backward (a wrapped
+  container of unwrapped blocks; the root's runs in the final callback, from its traffic)
+  frees the gradients of the cut blocks there too: those bytes are added to its recorded
+  free, after checking that the recorded free is exactly its kept parameters' gradient
+  bytes.
 
 Markers: ``("mark", "fwd", j)`` when block ``j``'s forward starts (before any group's hook on
 it) and ``("mark", "bout", j)`` when the gradient of its output arrives (before the engine's
@@ -176,11 +177,11 @@ class FoldMismatch(Exception):
 def unfold(
     events: Events,
     fold: Fold,
-    grad_bytes_of: Callable[[str, int], tuple[int, int]],
+    grad_bytes_of: Callable[[str], tuple[int, int]],
 ) -> Events:
-    """The full stack's event stream from the cut run's. ``grad_bytes_of(key, j)``: the
-    gradient bytes of group ``key``'s parameters in kept block ``j`` and in all kept blocks'
-    groups outside them, for the spanning groups' frees (see ``_spanning_free``)."""
+    """The full stack's event stream from the cut run's. ``grad_bytes_of(key)``: the gradient
+    bytes of group ``key``'s parameters in one block of the stack, and in all the cut model
+    kept, for the spanning groups' frees (see ``_spanning_free``)."""
     n, keep, p = fold.blocks, fold.keep, fold.period
     fwd = {j: _index(events, ("mark", "fwd", j)) for j in range(keep)}
     bout = {j: _index(events, ("mark", "bout", j)) for j in range(keep)}
@@ -245,7 +246,7 @@ def _rename(segment: Events, fold: Fold, offset: int, first: int = 0) -> Events:
 
 
 def _spanning_free(
-    events: Events, fold: Fold, grad_bytes_of: Callable[[str, int], tuple[int, int]]
+    events: Events, fold: Fold, grad_bytes_of: Callable[[str], tuple[int, int]]
 ) -> Events:
     """Each group holding parameters of the cut blocks frees their gradients at its
     post-backward: the recorded free covered the kept blocks only."""
@@ -253,7 +254,7 @@ def _spanning_free(
     out: Events = []
     for ev in events:
         if ev[0] == "post_backward":
-            per_block, kept_total = grad_bytes_of(ev[1], 1)
+            per_block, kept_total = grad_bytes_of(ev[1])
             if per_block:
                 nested = list(ev[2])
                 freed = -sum(  # ("bytes" | "add", category, delta, ...)
