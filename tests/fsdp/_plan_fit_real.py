@@ -11,6 +11,8 @@ wrapped and resharded, no checkpointing), so the default does not fit.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,13 +101,28 @@ def measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> int:
 
 
 def check_top(pool: WorkerPool, world: int, top: int, kind: str = "gpt") -> None:
-    default_peak = next(f for f in search(world, kind).kept if f.config == default(kind))
-    budget = int(default_peak.peak_bytes * 0.9)
-    result = search(world, kind, budget)
+    check_fitted(pool, functools.partial(search, world, kind), default(kind), measure, kind, top)
+
+
+def check_fitted(
+    pool: WorkerPool,
+    search_for: Callable[[int], FitResult],
+    default_config: FitConfig,
+    measure_fn: Callable[..., int],
+    kind: str,
+    top: int,
+) -> FitResult:
+    """The check of every fit real-run test: the budget is 90% of ``default_config``'s peak;
+    the ``top`` configurations kept for it, each measured by ``measure_fn(rank, world, cfg,
+    kind)`` on ``pool``, fit it and are within 10% of their predictions. Returns the
+    unconstrained search."""
+    everything = search_for(2**40)
+    budget = int(next(f for f in everything.kept if f.config == default_config).peak_bytes * 0.9)
+    result = search_for(budget)
     assert result.kept, result.advice
-    assert default(kind) not in {f.config for f in result.kept}
+    assert default_config not in {f.config for f in result.kept}
     for fitted in result.kept[:top]:
-        peaks = pool.run(measure, dataclasses.asdict(fitted.config), kind)
+        peaks = pool.run(measure_fn, dataclasses.asdict(fitted.config), kind)
         for rank, measured in enumerate(peaks):
             assert measured <= budget, (kind, fitted.config, rank, measured, budget)
             assert abs(measured - fitted.peak_bytes) <= 0.10 * measured, (
@@ -115,3 +132,4 @@ def check_top(pool: WorkerPool, world: int, top: int, kind: str = "gpt") -> None
                 measured,
                 fitted.peak_bytes,
             )
+    return everything

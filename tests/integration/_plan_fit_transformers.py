@@ -15,7 +15,7 @@ and names ``experts_implementation``).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shardweave.fsdp.plan import FitConfig, apply, fit
 from tests._dist import WorkerPool
+from tests.fsdp._plan_fit_real import check_fitted
 from tests.fsdp._plan_real import _peak_in_window, memory_profile, warm_then_measure
 
 SAMPLE = (8, 32)
@@ -78,7 +79,7 @@ def _loss(out: Any, inp: Any) -> torch.Tensor:
     return out.logits.float().pow(2).mean()
 
 
-def _measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> tuple[int, list[str]]:
+def _measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> int:
     with memory_profile() as prof:
         torch.manual_seed(0)
         model = MODELS[kind][0]()
@@ -88,7 +89,7 @@ def _measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> tuple[int
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         batch = torch.randint(0, 97, SAMPLE, generator=torch.Generator().manual_seed(rank))
         warm_then_measure(model, opt, batch, _loss)
-    return _peak_in_window(prof)[0], names
+    return _peak_in_window(prof)[0]
 
 
 def _search(world: int, kind: str, budget: int) -> Any:
@@ -108,19 +109,7 @@ def _search(world: int, kind: str, budget: int) -> Any:
 def check_top(pool: WorkerPool, kind: str, top: int) -> None:
     world = pool.world_size
     default = FitConfig(MODELS[kind][1], True, False, None, None, 0, False)
-    everything = _search(world, kind, 2**40)
+    everything = check_fitted(
+        pool, functools.partial(_search, world, kind), default, _measure, kind, top
+    )
     assert everything.folded and len(everything.folded) == everything.fake_steps
-    budget = int(next(f for f in everything.kept if f.config == default).peak_bytes * 0.9)
-    result = _search(world, kind, budget)
-    assert result.kept and default not in {f.config for f in result.kept}, result.advice
-    for fitted in result.kept[:top]:
-        runs = pool.run(_measure, dataclasses.asdict(fitted.config), kind)
-        for rank, (measured, _) in enumerate(runs):
-            assert measured <= budget, (kind, fitted.config, rank, measured, budget)
-            assert abs(measured - fitted.peak_bytes) <= 0.10 * measured, (
-                kind,
-                fitted.config,
-                rank,
-                measured,
-                fitted.peak_bytes,
-            )
