@@ -58,7 +58,7 @@ WAIT_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     "all-gather-waits-for-copy-in": (
         {"mp": True},
         "FSDPParamGroup.unshard",
-        ("c10d::_allgather_base_", "aten::_to_copy"),
+        ("c10d::_allgather_base_", "aten::copy_"),
     ),
     # Point 7: at the end of backward the compute stream waits for every post-reduce event.
     # With a bf16 reduction the fp32 gradients are cast on the reduce-scatter stream after the

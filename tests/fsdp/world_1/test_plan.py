@@ -524,13 +524,15 @@ def test_shard_placement_fn() -> None:
 
 def test_cpu_offload() -> None:
     """CPUOffloadPolicy: shards, sharded grads and optimizer state are host memory; each
-    all-gather copies the shards to the device first."""
+    all-gather copies the shards to the device first (straight into the output's slot)."""
     p = plan(lambda: nn.Linear(10, 7), mesh=4, optimizer="adamw", offload=True)
     assert p.host_bytes == 22 * F32 + 22 * F32 + (2 * 22 * F32 + 8)
     assert not p.groups[0].aliases_shards
-    # the copy-out: the device copy of the shard (kept as the all-gather input through
-    # forward), the all-gather output and the gathered parameters, at once
-    assert p.peak_tensor_bytes == 22 * F32 + 2 * 4 * 22 * F32
+    # the copy-out: the all-gather output and the gathered parameters, at once
+    assert p.peak_tensor_bytes == 2 * 4 * 22 * F32
+    # with a cast, the device copy is cast into the slot, then freed before the collective
+    cast = plan(lambda: nn.Linear(10, 7), mesh=4, offload=True, mp_policy="bf16")
+    assert cast.peak_tensor_bytes == 2 * 4 * 22 * 2
     assert p.lines_at_peak["sharded_params"] == p.lines_at_peak["sharded_grads"] == 0
     # shard size 1: offloaded shards are not aliased, they are copied to the device
     one = plan(lambda: nn.Linear(10, 7), mesh="2x1", offload=True)

@@ -4,7 +4,7 @@ each parameter's unsharded tensor). See Design note: tensor vocabulary (``_fsdp_
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +25,9 @@ class AllGatherResult:
     split_sizes: list[int]  # each param's numel per rank, in units of ``output``'s dtype
     as_bytes: bool  # output is uint8 because the inputs' dtypes differed
     post_forward: bool  # gathered from the post-forward shards (already in final layout)
-    # The all-gather input when it is not the sharded storage itself (a cast, a
-    # concatenation): read on the all-gather stream, so kept as long as the output.
+    # The all-gather input when it is neither the sharded storage itself nor a slot of the
+    # output (a single cast input, a copy to the device with one rank per shard): read on
+    # another stream than its own, so kept as long as the output.
     input: torch.Tensor | None = None
 
 
@@ -36,19 +37,32 @@ def all_gather_copy_in(
     param_dtype: torch.dtype | None,
     device: torch.device,
     post_forward: bool,
+    into: Callable[[int, torch.dtype], torch.Tensor] | None,
 ) -> tuple[torch.Tensor, list[int], bool]:
     """The 1D all-gather input, each param's numel in it, and whether it is a byte view.
 
     With the group's flat sharded storage (see Design note: flat storage in
-    ``_fsdp_param_group``) the input *is* the storage, or one cast of it: no per-parameter copy.
+    ``_fsdp_param_group``) the input *is* the storage: no per-parameter copy. An input that
+    must be built (a cast, a copy to the device, a concatenation) is written by one op into
+    ``into(numel, dtype)``, this rank's slot of the all-gather output, as torch's FSDP2 does:
+    no buffer beside the output. ``into`` is None when nothing is gathered (one rank per
+    shard): then the flat storage is not cast here, as the copy-out casts while it copies
+    (one buffer fewer for the whole group, the bench's world-1 peak).
     """
     if flat_sharded is not None and not post_forward:
         data = flat_sharded
-        if data.device != device:
+        sizes = [p.padded_sharded_numel for p in fsdp_params]
+        dtype = param_dtype if param_dtype is not None and into is not None else data.dtype
+        if data.device == device and data.dtype == dtype:
+            return data, sizes, False
+        if into is None:
+            return data.to(device, non_blocking=True), sizes, False
+        if data.device != device and data.dtype != dtype:
+            # Cast on the device: a host-side cast of the whole shard would stall the host.
             data = data.to(device, non_blocking=True)
-        if param_dtype is not None and data.dtype != param_dtype:
-            data = data.to(param_dtype)
-        return data, [p.padded_sharded_numel for p in fsdp_params], False
+        slot = into(data.numel(), dtype)
+        slot.copy_(data, non_blocking=True)
+        return slot, sizes, False
     inputs = [t for p in fsdp_params for t in p.all_gather_inputs()]
     dtypes = {t.dtype for t in inputs}
     as_bytes = len(dtypes) > 1
@@ -58,7 +72,11 @@ def all_gather_copy_in(
     sizes = [t.numel() for t in inputs]
     if len(inputs) == 1:
         return inputs[0], sizes, as_bytes
-    return torch.cat(inputs), sizes, as_bytes
+    if into is None:
+        return torch.cat(inputs), sizes, as_bytes
+    slot = into(sum(sizes), inputs[0].dtype)
+    torch.cat(inputs, out=slot)
+    return slot, sizes, as_bytes
 
 
 class CopyOutViews:
@@ -118,6 +136,8 @@ def all_gather_copy_out(
     gathered = result.output.view(world, -1)
     if len(outs) == 1:
         outs[0].copy_(gathered)
+    elif gathered.dtype != outs[0].dtype:  # one rank per shard: the copy-out casts
+        torch._foreach_copy_(outs, torch.split_with_sizes(gathered, result.split_sizes, dim=1))
     else:
         torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outs)
     for fsdp_param, scratch in fixups:

@@ -486,32 +486,54 @@ class FSDPParamGroup:
         wait_event(copy_in_stream, event)
         wait_event(all_gather_stream, event)
         flat = self._flat_sharded if self._param_dtypes_uniform else None
+        world = info.shard_mesh_size if isinstance(info, FSDPMeshInfo) else 1
+        gathers = world > 1
+        slots: list[torch.Tensor] = []  # the all-gather output, when the copy-in allocated it
+
+        def into(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            # On the copy-in stream, as torch's FSDP2: both all-gather streams wait for the
+            # copy-out before either reuses memory (point 3).
+            assert isinstance(info, FSDPMeshInfo)
+            output = self._all_gather_comm.allocate(
+                (world * numel,), dtype=dtype, device=self.device
+            )
+            slots.append(output)
+            return output.narrow(0, info.shard_mesh_rank * numel, numel)
+
         with streams.use(copy_in_stream):
             inp, sizes, as_bytes = all_gather_copy_in(
-                self.fsdp_params, flat, self._uniform_param_dtype, self.device, post_forward
+                self.fsdp_params,
+                flat,
+                self._uniform_param_dtype,
+                self.device,
+                post_forward,
+                into if gathers else None,
             )
-        world = info.shard_mesh_size if isinstance(info, FSDPMeshInfo) else 1
         if _trace.ACTIVE is not None:
-            _trace.ACTIVE.copy_in_end(self.trace_key, inp, world)
-        kept_input = None if inp is flat else inp
-        if world == 1 or not isinstance(info, FSDPMeshInfo):
+            # The gathered bytes in the parameters' dtype (one rank per shard: cast later).
+            dtype = self._uniform_param_dtype if inp is flat or not gathers else None
+            itemsize = (dtype or inp.dtype).itemsize if not as_bytes else 1
+            _trace.ACTIVE.copy_in_end(self.trace_key, world * inp.numel() * itemsize)
+        kept_input = None if inp is flat or slots else inp
+        if not gathers:
             # No collective: the copy-out reads the copy-in's result directly.
             done = InFlight(self._fqn, self.device, None, copy_in_stream.record_event())
             self._all_gather_result = AllGatherResult(
                 inp, done, world, sizes, as_bytes, post_forward, kept_input
             )
             return
-        if isinstance(self._all_gather_comm, SymmMemAllGather):
+        assert isinstance(info, FSDPMeshInfo)
+        if slots:
+            output = slots[0]
+            all_gather_stream.wait_stream(copy_in_stream)
+        elif isinstance(self._all_gather_comm, SymmMemAllGather):
             # In place, as the comm's peers address only the symmetric output: this rank's
-            # input is copied into its own slot of it (the one copy torch's FSDP2 always makes;
-            # otherwise the flat shard itself is the input).
+            # input (the flat shard itself, or its only parameter's) is copied into its own
+            # slot of it.
             with streams.use(copy_in_stream):
-                output = self._all_gather_comm.allocate(
-                    (world * inp.numel(),), dtype=inp.dtype, device=self.device
-                )
-                slot = output.narrow(0, info.shard_mesh_rank * inp.numel(), inp.numel())
+                slot = into(inp.numel(), inp.dtype)
                 slot.copy_(inp)
-            inp, kept_input = slot, None
+            output, inp, kept_input = slots[0], slot, None
             all_gather_stream.wait_stream(copy_in_stream)
         else:
             all_gather_stream.wait_stream(copy_in_stream)

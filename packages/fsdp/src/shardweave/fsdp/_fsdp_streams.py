@@ -62,13 +62,15 @@ Design note: stream ordering
     ======================  ===========  =================================  =====================
     buffer                  owner        kept by                            until
     ======================  ===========  =================================  =====================
-    all-gather input (a     copy-in      ``AllGatherResult.input``, then    the all-gather streams
-    cast / concatenation)                the comm context's                 wait for the copy-out
-                                         ``all_gather_state`` (forward)     event (point 3)
+    all-gather input kept   copy-in      ``AllGatherResult.input``, then    the all-gather streams
+    apart (one parameter's               the comm context's                 wait for the copy-out
+    cast; a device copy                  ``all_gather_state`` (forward)     event (point 3)
+    with one shard rank)
     all-gather output       all-gather   ``AllGatherResult.output``, then   same (point 3)
                             (copy-in     ``all_gather_state`` (forward)
-                            with symm.
-                            memory)
+                            when it
+                            writes a
+                            slot)
     post-forward shards     current      the FSDPParams                     the next unshard's
     (int reshard)                                                           streams wait (point 4)
     reduce-scatter input    current      ``GradientReduction.               the current stream
@@ -96,6 +98,10 @@ Design note: stream ordering
     storage``)                                                              it, on the stream of
                                                                             all its readers
     ======================  ===========  =================================  =====================
+
+    The copy-in writes an input it builds (a cast, a concatenation, a copy to the device, and
+    any input with symmetric memory) straight into this rank's slot of the output, as torch's
+    FSDP2 does, so then the output is the copy-in stream's and no input is kept apart.
 
     The kept unsharded storage needs no wait of its own, as in torch's FSDP2: the next
     unshard writes it only in its copy-out, on the current stream, after every op that read

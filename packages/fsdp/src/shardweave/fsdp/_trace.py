@@ -292,7 +292,7 @@ class TraceRecorder:
     def unshard_begin(self, key: str) -> None:
         self._unshards[key] = _Unshard(self.now())
 
-    def copy_in_end(self, key: str, all_gather_input: torch.Tensor, world: int) -> None:
+    def copy_in_end(self, key: str, gathered_nbytes: int) -> None:
         now = self.now()
         pending = self._unshards.get(key)
         if pending is not None:
@@ -301,7 +301,7 @@ class TraceRecorder:
             )
         # Kept unsharded storage (set_keep_unsharded_storage) is refilled in place: its bytes
         # never stopped being alive, so the unshard is recorded with no change.
-        nbytes = 0 if key in self._live else world * _nbytes(all_gather_input)
+        nbytes = 0 if key in self._live else gathered_nbytes
         self._change(now, key, "unshard", nbytes)
 
     def collective_issue(

@@ -540,10 +540,21 @@ def _group_plan(
     aliases = world == 1 and uniform and not casts and isinstance(mode, bool) and not offload
     if aliases:
         gathered = 0
-    ag_input = cast_input if (casts or not uniform) else 0
-    ag_transient = 0
-    if offload:  # the shards are copied to the device first (then cast, if they are)
-        ag_input, ag_transient = (cast_input, sharded) if casts else (sharded, 0)
+    # The all-gather input (all_gather_copy_in): with a collective, a built input (a cast, a
+    # copy to the device, a concatenation) is written into this rank's slot of the output;
+    # only what it is built from may be transient (offloaded shards copied to the device
+    # before the cast; each parameter's cast before the concatenation). With one rank per
+    # shard the copy-out casts, so only a copy to the device or a concatenation is kept.
+    ag_input = ag_transient = 0
+    if world > 1:
+        if offload and casts:
+            ag_transient = sharded
+        elif not uniform and casts:
+            ag_transient = cast_input
+    elif not uniform:
+        ag_input = cast_input
+    elif offload:
+        ag_input = sharded
     gp = GroupPlan(
         key=spec.key,
         module_type=spec.module_type,
@@ -584,7 +595,8 @@ def _group_plan(
         all_gather_input_bytes=0 if aliases else ag_input,
         all_gather_input_transient_bytes=ag_transient,
         post_forward_bytes=post,
-        post_forward_input_bytes=post if len(spec.params) > 1 else 0,
+        # Concatenated post-forward shards go into the output's slot when gathered.
+        post_forward_input_bytes=post if len(spec.params) > 1 and mode == 1 else 0,
         unsharded_grad_bytes=ugrad,
         reduce_scatter_input_bytes=rs,
         reduce_scatter_output_bytes=ar,

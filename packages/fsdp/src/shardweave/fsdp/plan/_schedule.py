@@ -254,10 +254,12 @@ class Replay:
             extra = g.post_forward_input_bytes
         else:
             extra, transient = g.all_gather_input_bytes, g.all_gather_input_transient_bytes
-        self.add("comm_buffers", transient, key, "copy to device")
+        # What the input is built from (a device copy, each parameter's cast) is alive while
+        # the copy-in writes the output's slot, so beside the output.
+        self.add("comm_buffers", transient, key, "copy-in source")
         self.add("comm_buffers", extra, key, "all-gather input")
-        self.add("comm_buffers", -transient, key, "device copy freed")
         self.add("comm_buffers", g.all_gather_output_bytes, key, "all-gather issued")
+        self.add("comm_buffers", -transient, key, "copy-in source freed")
         self.add("comm_buffers", g.backend_all_gather_bytes, key, "backend staging")
 
     def wait(self, key: str) -> None:
