@@ -94,6 +94,7 @@ def test_cpu_sections_pass_and_cuda_ones_are_skipped(tmp_path: Path) -> None:
         "before_copy_out",
         "before_copy_in",
         "before_reduce_scatter_copy_in",
+        "before_divide",
         "before_optimizer",
     }, points
     assert all(n > 0 for n in points.values()), points
@@ -199,20 +200,43 @@ def test_device_mutant_path_runs_on_cpu(tmp_path: Path) -> None:
     """The device path of ``mutants`` on CPU threads: the waits are found by name and removed,
     the control and the mutant agree with the synchronized run (CPU streams run in order, so
     nothing is caught here; on a GPU the mutant must differ)."""
+    names = ["reduce-scatter-waits-for-compute", "all-gather-waits-for-copy-in"]
     code = (
         "import json, sys; sys.path[:0] = sys.argv[1:]\n"
         "import gpu_kit\n"
-        "print(json.dumps(gpu_kit.mutants_threaded('cpu', 2, ['reduce-scatter-waits-for-compute'])))\n"
+        f"print(json.dumps(gpu_kit.mutants_threaded('cpu', 2, {names!r})))\n"
     )
     paths = [str(REPO / "tools"), *(str(REPO / "packages" / p / "src") for p in
              ("mesh", "fsdp", "replicate", "extensions"))]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, *paths], cwd=REPO, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(proc.stdout.splitlines()[-1])["reduce-scatter-waits-for-compute"]
-    assert result["waits_dropped"] > 0 and not result["caught"], result
-    for delays in ("all", "collectives"):
-        assert result[f"control_bitwise/{delays}"] and result[f"mutant_bitwise/{delays}"], result
+    report = json.loads(proc.stdout.splitlines()[-1])
+    gpu_kit_trials = 2  # MUTANT_TRIALS
+    for name in names:
+        result = report[name]
+        assert result["waits_dropped"] > 0 and not result["caught"], result
+        # poisoned buffers (the layout's output, the copy-in's slot) are all overwritten in
+        # program order: both runs agree with the synchronized one
+        assert all(result["control_bitwise"]) and all(result["mutant_bitwise"]), result
+        assert len(result["mutant_bitwise"]) == gpu_kit_trials, result
+    # each mutant reached its own producer's delay point
+    assert report["delay_points"]["before_reduce_scatter_copy_in"] > 0, report
+    assert report["delay_points"]["before_copy_in"] > 0, report
+
+
+def test_every_mutant_has_a_producer_delay() -> None:
+    """``MUTANT_DELAYS`` names, for each mutation of the tests, the late producer the device
+    run delays (a mutation added to the tests without one would fail the kit with a KeyError
+    on the GPU)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_kit
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    assert set(gpu_kit.MUTANT_DELAYS) == set(gpu_kit.mutations())
+    for delays in gpu_kit.MUTANT_DELAYS.values():
+        assert len(delays) == 1 and delays <= gpu_kit.ALL_DELAYS, delays
 
 
 def test_llama_section_passes_or_skips_without_transformers(tmp_path: Path) -> None:
