@@ -285,18 +285,84 @@ def test_new_reduce_dtypes_are_race_free_on_accelerator_branches(
         assert not result["races"] and not result["unsafe"], result
 
 
-def explicit_grad_dtype(rank: int, world: int) -> None:
-    model = nn.Linear(2, 2)
-    model.weight.grad_dtype = torch.float64
-    with pytest.raises(NotImplementedError, match="explicit grad_dtype"):
-        fully_shard(model, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+# --- an explicit Parameter.grad_dtype (torch 2.15) ---------------------------------------------
+TORCH_HAS_GRAD_DTYPE_FLAG = hasattr(nn.Parameter(torch.ones(1)), "_has_grad_dtype_override")
+GRAD_DTYPE_CASES: dict[str, dict[str, Any]] = {
+    # no mixed precision: fp32 parameters whose gradients are bf16
+    "fp32-params-bf16-grads": {"param_dtype": None, "reduce_dtype": None, "on": "all"},
+    # bf16 compute, no reduce_dtype: reduced in the explicit bf16, not the parameter's fp32
+    "bf16-compute-bf16-grads": {"param_dtype": torch.bfloat16, "reduce_dtype": None, "on": "all"},
+    # reduce_dtype wins for the reduction; the sharded gradients are then cast to grad_dtype
+    "fp32-reduce-bf16-grads": {
+        "param_dtype": torch.bfloat16,
+        "reduce_dtype": torch.float32,
+        "on": "all",
+    },
+    # only the LayerNorms' gradients are bf16: one group, two gradient dtypes
+    "norms-only": {"param_dtype": torch.bfloat16, "reduce_dtype": None, "on": "norms"},
+    # set on the sharded parameters after fully_shard, before the first forward
+    "after-fully-shard": {"param_dtype": torch.bfloat16, "reduce_dtype": None, "on": "sharded"},
+}
+
+
+def _set_grad_dtype(model: nn.Module, on: str) -> None:
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    for p in model.parameters():
+        if on != "norms" or id(p) in norms:
+            p.grad_dtype = torch.bfloat16
+
+
+def explicit_grad_dtype(rank: int, world: int, case: str, microbatches: int) -> None:
+    cfg = GRAD_DTYPE_CASES[case]
+    model = make_model("gpt")
+    tmodel = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(cfg["param_dtype"], cfg["reduce_dtype"])
+    tpolicy = TorchMixedPrecisionPolicy(cfg["param_dtype"], cfg["reduce_dtype"])
+    if cfg["on"] != "sharded":
+        _set_grad_dtype(model, cfg["on"])
+        _set_grad_dtype(tmodel, cfg["on"])
+    _shard(model, fully_shard, policy)
+    _shard(tmodel, torch_fully_shard, tpolicy)
+    if cfg["on"] == "sharded":
+        _set_grad_dtype(model, "all")
+        _set_grad_dtype(tmodel, "all")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, tmodel)]
+    for step in range(2):
+        for micro in range(microbatches):
+            batch = make_batch("gpt", 1000 * step + 10 * micro + rank)
+            losses = []
+            for m in (model, tmodel):
+                m.set_requires_gradient_sync(micro == microbatches - 1)  # type: ignore[operator]
+                loss = loss_fn("gpt", m(batch).float(), batch)
+                loss.backward()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), f"{case} step {step}.{micro}: loss"
+        grads = [(p.grad.dtype, tp.grad.dtype) for p, tp in  # type: ignore[union-attr]
+                 zip(model.parameters(), tmodel.parameters(), strict=True)]  # fmt: skip
+        assert all(ours == theirs for ours, theirs in grads), (case, grads)
+        # closed form: the explicit dtype is the gradients' (bf16 where it was set)
+        assert torch.bfloat16 in {ours for ours, _ in grads}, (case, grads)
+        assert_same_as_torch(model, tmodel, f"{case} step {step}")
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        assert_same_as_torch(model, tmodel, f"{case} after step {step}")
 
 
 @pytest.mark.skipif(
-    not hasattr(nn.Parameter(torch.ones(1)), "_has_grad_dtype_override"),
+    not TORCH_HAS_GRAD_DTYPE_FLAG,
     reason="parameters have no explicit-grad_dtype flag before torch 2.15",
 )
-def test_explicit_grad_dtype_is_refused_on_every_rank(world2: WorkerPool) -> None:
-    """Not supported yet: torch 2.15 reduces in an explicit ``Parameter.grad_dtype``; we raise a
-    clear NotImplementedError on every rank at fully_shard rather than reduce in another dtype."""
-    world2.run(explicit_grad_dtype)
+@pytest.mark.parametrize(
+    ("case", "microbatches"),
+    [*((c, 1) for c in GRAD_DTYPE_CASES), ("bf16-compute-bf16-grads", 3)],
+    ids=[*GRAD_DTYPE_CASES, "no-sync"],
+)
+def test_explicit_grad_dtype_matches_torch(
+    world2: WorkerPool, case: str, microbatches: int
+) -> None:
+    """Oracle: compatibility, bitwise with torch 2.15's fully_shard (losses, shards, grads and
+    their dtypes), for a ``Parameter.grad_dtype`` set before or after sharding, on every
+    parameter or a group's LayerNorms only, with and without ``reduce_dtype``, and
+    accumulating microbatches without sync."""
+    world2.run(explicit_grad_dtype, case, microbatches)

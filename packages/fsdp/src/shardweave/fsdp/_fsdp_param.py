@@ -24,6 +24,7 @@ from shardweave.fsdp._fsdp_subclass_gather import detect_subclass_all_gather
 from shardweave.fsdp._param_handler import resolve_param_handler
 from shardweave.fsdp._sharding_rules import padded_shard_size, resolve_dtypes, shard_size
 from shardweave.fsdp._spmd_types import SpmdTypesHandler, as_storage_param
+from shardweave.fsdp._torch_compat import has_grad_dtype_override
 from shardweave.mesh import FSDPMeshInfo
 
 if TYPE_CHECKING:
@@ -153,6 +154,10 @@ class FSDPParam:
     orig_dtype: torch.dtype
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    # The sharded gradients' dtype: an explicit ``Parameter.grad_dtype`` (torch 2.15), else the
+    # parameter's own dtype. ``has_grad_dtype_override`` says which; see ``_capture_grad_dtype``.
+    sharded_grad_dtype: torch.dtype
+    has_grad_dtype_override: bool
     sharded_param: nn.Parameter
     _unsharded_param: nn.Parameter | None
     all_gather_output: torch.Tensor  # 1D, every rank's padded shard, rank-major
@@ -265,6 +270,9 @@ class FSDPParam:
         self.fsdp_placement = Shard(shard_dim)
         self.orig_size = data.size()  # what is gathered: the TP-local size for a DTensor
         self.orig_dtype = param.dtype
+        self.has_grad_dtype_override = False
+        self.sharded_grad_dtype = param.dtype
+        self._capture_grad_dtype(param)
         chunks = chunk_with_empty(data.detach(), world, shard_dim)
         # The sizes come from the rules the planner predicts with (_sharding_rules).
         self.sharded_size = shard_size(data.size(), world, rank, shard_dim)
@@ -291,8 +299,24 @@ class FSDPParam:
             requires_grad=param.requires_grad,
         )
         self.sharded_param = sharded
+        self._apply_grad_dtype(sharded)
         self._setattr_on_modules(sharded)
         self._installed_local: torch.Tensor = _local_tensor(sharded)
+
+    # --- an explicit grad_dtype (torch 2.15) ----------------------------------------------------
+    def _capture_grad_dtype(self, param: torch.Tensor) -> None:
+        """Adopt ``param.grad_dtype`` when it was set explicitly (torch 2.15's flag; never
+        before). Only an explicit setting counts: a parameter rebuilt by ``.to()`` or
+        ``load_state_dict(assign=True)`` has lost it, and keeps the one captured before."""
+        if has_grad_dtype_override(param):
+            self.has_grad_dtype_override = True
+            self.sharded_grad_dtype = cast(torch.dtype, param.grad_dtype)
+
+    def _apply_grad_dtype(self, sharded: nn.Parameter) -> None:
+        """The sharded parameter accepts gradients of the explicit dtype (autograd checks a
+        ``.grad``'s dtype against ``grad_dtype``)."""
+        if self.has_grad_dtype_override and not has_grad_dtype_override(sharded):
+            sharded.grad_dtype = self.sharded_grad_dtype
 
     def _local_view(self, padded_flat: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """This rank's unpadded shard as a view of a flat padded buffer (from element
@@ -316,8 +340,14 @@ class FSDPParam:
         """Resolve compute/reduce dtypes from the *current* sharded dtype (casts are allowed
         between ``fully_shard`` and the first forward)."""
         self.orig_dtype = self.sharded_param.dtype
+        self._capture_grad_dtype(self.sharded_param)
+        if not self.has_grad_dtype_override:
+            self.sharded_grad_dtype = self.orig_dtype
+        reduce = mp_policy.reduce_dtype
+        if reduce is None and self.has_grad_dtype_override:
+            reduce = self.sharded_grad_dtype  # torch 2.15: the gradient's own dtype policy
         self.param_dtype, self.reduce_dtype = resolve_dtypes(
-            self.orig_dtype, mp_policy.param_dtype, mp_policy.reduce_dtype
+            self.orig_dtype, mp_policy.param_dtype, reduce
         )
 
     @property
@@ -407,8 +437,11 @@ class FSDPParam:
                 f"fully_shard: '{self.param_fqn}' was replaced by a plain tensor; load sharded "
                 "values as DTensors (distribute_tensor or torch.distributed.checkpoint)"
             )
+        self._capture_grad_dtype(self.sharded_param)
         if registered is not self.sharded_param:
+            self._capture_grad_dtype(registered)
             self.sharded_param = registered
+            self._apply_grad_dtype(registered)
             self._setattr_on_modules(registered)
         local = _local_tensor(self.sharded_param)
         self._sharding_spec = cast(DTensor, self.sharded_param)._spec
@@ -692,6 +725,14 @@ class FSDPParam:
         there; with sync, or onto an accumulated gradient, it stays in the compute dtype (the
         copy-in or the accumulation casts it). Set at every backward's start (pre-backward)."""
         param, wide = self._unsharded_param, self.reduce_dtype
+        if self.has_grad_dtype_override and self.mp_policy.reduce_dtype is None:
+            # An explicit grad_dtype and no reduce_dtype: autograd makes every gradient in the
+            # explicit dtype, as torch 2.15 does (the uses of a tied weight are cast to it
+            # before they are summed; measured bitwise against torch 2.15). With a
+            # reduce_dtype the rule below applies, explicit dtype or not.
+            if param is not None and param.requires_grad:
+                param.grad_dtype = self.sharded_grad_dtype
+            return
         if (
             param is None
             or not param.requires_grad
@@ -729,8 +770,10 @@ class FSDPParam:
         if grad is not None:
             return self._handler.reduce_grad(self._template, grad)
         if zero_if_unused and param.requires_grad:
-            # Made local already: there is no parameter-kind layout to undo.
-            return torch.zeros(self.orig_size, dtype=self.unsharded_dtype, device=self.device)
+            # Made local already: there is no parameter-kind layout to undo. In the dtype
+            # autograd would have made it in (torch 2.15's grad_dtype; the compute dtype before).
+            dtype = getattr(param, "grad_dtype", None) or self.unsharded_dtype
+            return torch.zeros(self.orig_size, dtype=dtype, device=self.device)
         return None
 
     def grad_for_reduce_scatter(self, grad: torch.Tensor, world_size: int) -> torch.Tensor:

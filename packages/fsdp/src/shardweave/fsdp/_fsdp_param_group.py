@@ -61,7 +61,7 @@ from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
 from shardweave.fsdp._seam import InFlight, issue
 from shardweave.fsdp._sharding_rules import group_reduce_dtype
 from shardweave.fsdp._spmd_types import outside_typecheck, register_local_function
-from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE, has_grad_dtype_override
+from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
@@ -161,15 +161,6 @@ class FSDPParamGroup:
         # as torch 2.15 does), before any parameter is replaced: a bad answer raises on every
         # rank before anything is sharded.
         param_policies = [mp_policy.for_param(param) for param in params]
-        for param, info in zip(params, infos, strict=True):
-            if has_grad_dtype_override(param):
-                # torch 2.15 would reduce in it; silently reducing in another dtype would not
-                # be the same training
-                raise NotImplementedError(
-                    f"fully_shard: parameter '{info.param_name}' of {type(info.module).__name__} "
-                    f"has an explicit grad_dtype ({param.grad_dtype}), which shardweave does not "
-                    "support yet; use MixedPrecisionPolicy(reduce_dtype=...) instead"
-                )
         self.fsdp_params = [
             FSDPParam(
                 param,
@@ -394,6 +385,10 @@ class FSDPParamGroup:
                 f"'{self._fqn}'; cast the module to one dtype or split it into groups"
             )
         self._orig_dtype = next(iter(orig)) if trainable else None
+        # What the sharded gradients are handed back in: one dtype for the group, or None when
+        # an explicit grad_dtype on some parameters makes them differ (cast per parameter).
+        grad_dtypes = {p.sharded_grad_dtype for p in trainable}
+        self._sharded_grad_dtype = next(iter(grad_dtypes)) if len(grad_dtypes) == 1 else None
         # Only a per-parameter param_dtype (param_dtype_override_fn) mixes the dtypes the
         # gradients arrive in: one reduction in their promoted dtype, as torch 2.15 does.
         self._reduce_dtype = group_reduce_dtype(
@@ -733,7 +728,10 @@ class FSDPParamGroup:
             return
         # A group whose params were all frozen at lazy init has no recorded dtype; if the user
         # unfroze them since, reduce and keep the grads in their own dtype, as torch does.
-        orig_dtype = self._orig_dtype if self._orig_dtype is not None else grads[0].dtype
+        if self._orig_dtype is None:
+            orig_dtype: torch.dtype | None = grads[0].dtype
+        else:
+            orig_dtype = self._sharded_grad_dtype
         streams = self.comm_ctx.streams(self.device)
         traced_bytes = 0
         if _trace.ACTIVE is not None:

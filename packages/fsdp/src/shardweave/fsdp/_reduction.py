@@ -114,7 +114,7 @@ class GradSource:
 
     params: list[FSDPParam]
     grads: list[torch.Tensor]
-    orig_dtype: torch.dtype
+    orig_dtype: torch.dtype | None  # None: each parameter's own ``sharded_grad_dtype``
     name: str  # the group's module FQN, for errors and the watchdog
     trace_key: str | Callable[[], str]  # the tracer's key for the group
     traced_bytes: int = 0  # unsharded gradient bytes the tracer saw taken (0: not tracing)
@@ -148,7 +148,7 @@ class GradientReduction:
         *,
         reduce_scatter_group: dist.ProcessGroup | None,
         reduce_scatter_comm: ReduceScatter,
-        orig_dtype: torch.dtype,
+        orig_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         device: torch.device,
         divide_factor: float | None,
@@ -417,6 +417,18 @@ class GradientReduction:
             offset = 0
             offloaded = False
             for source in sources:
+                if source.orig_dtype is None:  # explicit grad_dtypes differ: cast per parameter
+                    for fsdp_param in source.params:
+                        size, target = (
+                            fsdp_param.padded_sharded_numel,
+                            fsdp_param.sharded_grad_dtype,
+                        )
+                        out, start = output, offset
+                        if out.dtype != target:
+                            out, start = output.narrow(0, offset, size).to(target), 0
+                        offloaded |= fsdp_param.assign_sharded_grad(out, start)
+                        offset += size
+                    continue
                 # Each parameter views its slot by offset (no narrow per parameter); a cast
                 # makes a new buffer of this source's slots only.
                 out, start = output, offset

@@ -22,9 +22,10 @@ Rules:
   longer in ``param_dtype``; a group whose gradients differ in dtype reduces in their promoted
   dtype. Accumulation while gradient sync is off follows the same dtype (a backward's first
   gradient is made in it, so the uses of a tied weight are summed in it).
-* torch 2.15 also reduces in a ``grad_dtype`` set explicitly on a parameter, which we do not
-  support yet: ``has_grad_dtype_override`` tells the engine to refuse it (False before 2.15,
-  where parameters have no such flag).
+* torch 2.15 also honours a ``grad_dtype`` set explicitly on a parameter (before or after
+  ``fully_shard``): the gradients are made, reduced (with no ``reduce_dtype``) and kept in it.
+  ``has_grad_dtype_override`` reads the flag (``FSDPParam.sharded_grad_dtype``); it is False
+  before 2.15, where parameters have no such flag.
 
 * ``SPMD_TYPES_PARAMS`` (torch 2.14): with ``dp_mesh_dims``, a plain parameter annotated by the
   ``spmd_types`` package is accepted (stored as a DTensor on the SPMD mesh, computed on as a
