@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -103,11 +104,33 @@ def _run_steps(
     return losses
 
 
-def manual_parity(rank: int, world: int, mode: str) -> None:
+def _apply_layout(model: nn.Module, tmodel: nn.Module, layout: str, world: int) -> None:
+    """Ours and torch's engine on the same layout: per-block FSDP, HSDP over a 1-rank shard
+    dim (the all-reduce does the reduction), or ``replicate`` (torch's FSDP-based one)."""
+    if layout == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import (
+            replicate as torch_replicate,
+        )
+
+        from shardweave.replicate import replicate
+
+        shard_blocks(model, replicate)
+        shard_blocks(tmodel, torch_replicate)
+        return
+    kwargs: dict[str, Any] = {}
+    if layout == "hsdp":
+        kwargs["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=("rep", "shard"))
+    shard_blocks(model, fully_shard, **kwargs)
+    shard_blocks(tmodel, torch_fully_shard, **kwargs)
+
+
+def manual_parity(rank: int, world: int, mode: str, layout: str = "fsdp") -> None:
     model = make_model(KIND)
     tmodel = copy.deepcopy(model)
-    shard_blocks(model, fully_shard)
-    shard_blocks(tmodel, torch_fully_shard)
+    _apply_layout(model, tmodel, layout, world)
+    # torch drives its own engine manually where its module has the API (2.15), else runs the
+    # same schedule with its automatic finalization.
+    torch_manual = hasattr(tmodel, "finalize_backward")
     # The oracle runs first; ours then replays the same schedule and compares at each point.
     snapshots: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
 
@@ -142,16 +165,36 @@ def manual_parity(rank: int, world: int, mode: str) -> None:
 
     their_comms: list[Counter[str]] = []
     our_comms: list[Counter[str]] = []
-    want = _run_steps(tmodel, rank, mode, TORCH_HAS_MANUAL, snap(tmodel), their_comms)
+    want = _run_steps(tmodel, rank, mode, torch_manual, snap(tmodel), their_comms)
     got = _run_steps(model, rank, mode, True, compare(model), our_comms)
-    # The same collectives with the same bytes per step (one reduce-scatter per group per step,
+    # The same collectives with the same bytes per step (one reduction per group per step,
     # also for the microbatches, whose reductions all wait for the finalization).
-    assert our_comms == their_comms, f"{mode} rank {rank}: ours {our_comms} vs {their_comms}"
-    assert all(c["reduce_scatter_single"] == 3 for c in our_comms), our_comms
+    if layout == "replicate":
+        # replicate buckets its groups' all-reduces as DDP does (torch's issues one per group):
+        # the same bytes in fewer calls
+        ours_b, theirs_b = ([c["all_reduce_bytes"] for c in cs] for cs in (our_comms, their_comms))
+        assert ours_b == theirs_b, f"{mode} rank {rank}: ours {our_comms} vs {their_comms}"
+    else:
+        assert our_comms == their_comms, f"{mode} rank {rank}: ours {our_comms} vs {their_comms}"
+    if layout == "fsdp":
+        assert all(c["reduce_scatter_single"] == 3 for c in our_comms), our_comms
+    else:  # the all-reduce over the replicas carries the reduction
+        assert all(c["all_reduce"] >= 1 for c in our_comms), our_comms
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b), f"{mode} rank {rank}: losses differ {a} vs {b}"
     assert_same_as_torch(model, tmodel, f"{mode} rank {rank} end")
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "replicate"])
+@pytest.mark.parametrize("mode", ["async", "micro"])
+def test_manual_finalization_with_all_reduce_matches_torch(
+    world2: WorkerPool, mode: str, layout: str
+) -> None:
+    """Oracle: compatibility, as above, where the reduction ends in an all-reduce (HSDP over a
+    1-rank shard dim; ``replicate``): the handle's wait covers it, and the numbers and the
+    collectives are torch's (its engine finalizing manually on 2.15, automatically before)."""
+    world2.run(manual_parity, mode, layout)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "micro"])
@@ -171,8 +214,15 @@ def _outcome(fn: Callable[[], Any]) -> str:
     return "None" if result is None else ("handle" if hasattr(result, "wait") else repr(result))
 
 
-def _sharded(engine: str) -> nn.Module:
+def _sharded_layout(engine: str, layout: str = "fsdp") -> nn.Module:
     model = make_model(KIND)
+    if layout == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+
+        from shardweave.replicate import replicate
+
+        shard_blocks(model, replicate if engine == "ours" else torch_replicate)
+        return model
     shard_blocks(model, fully_shard if engine == "ours" else torch_fully_shard)
     return model
 
@@ -181,9 +231,12 @@ def _fwd_bwd(model: nn.Module, rank: int, step: int = 0) -> None:
     _loss(model, step, 0, rank).backward()
 
 
-def _misuse_cases(rank: int) -> dict[str, Callable[[str], list[str]]]:
+def _misuse_cases(rank: int, layout: str) -> dict[str, Callable[[str], list[str]]]:
     """Each case builds fresh models (so one case's error leaves no state behind) and returns
     the outcomes of its steps."""
+
+    def _sharded(engine: str) -> nn.Module:
+        return _sharded_layout(engine, layout)
 
     def non_root_after_init(engine: str) -> list[str]:
         m = _sharded(engine)
@@ -296,20 +349,24 @@ EXPECTED: dict[str, list[str]] = {
 }
 
 
-def misuse(rank: int, world: int, case: str) -> None:
-    run = _misuse_cases(rank)[case]
+def misuse(rank: int, world: int, case: str, layout: str) -> None:
+    run = _misuse_cases(rank, layout)[case]
     ours = run("ours")
-    assert ours == EXPECTED[case], f"{case} rank {rank}: ours {ours}"
+    assert ours == EXPECTED[case], f"{layout} {case} rank {rank}: ours {ours}"
     if TORCH_HAS_MANUAL:
         theirs = run("torch")
-        assert ours == theirs, f"{case} rank {rank}: ours {ours} vs torch {theirs}"
+        assert ours == theirs, f"{layout} {case} rank {rank}: ours {ours} vs torch {theirs}"
 
 
+@pytest.mark.parametrize("layout", ["fsdp", "replicate"])
 @pytest.mark.parametrize("case", list(EXPECTED))
-def test_manual_finalization_misuse_matches_torch(world2: WorkerPool, case: str) -> None:
+def test_manual_finalization_misuse_matches_torch(
+    world2: WorkerPool, case: str, layout: str
+) -> None:
     """Oracle: compatibility (torch 2.15's exception types and results for the same calls, where
-    torch has the API; the table of torch 2.15's outcomes otherwise), on every rank."""
-    world2.run(misuse, case)
+    torch has the API; the table of torch 2.15's outcomes otherwise), on every rank, for
+    ``fully_shard`` and ``replicate`` modules."""
+    world2.run(misuse, case, layout)
 
 
 # --- accelerator branches ---------------------------------------------------------------------
