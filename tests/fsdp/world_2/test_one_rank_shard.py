@@ -134,3 +134,43 @@ def test_divide_factor_applied_once_with_one_rank(world2: WorkerPool) -> None:
     for ratios in world2.run(divide_body):
         assert abs(ratios["torch_force_sum=False"] - 1.0) < 1e-6, ratios
         assert ratios["torch_force_sum=True"] > 1.5, ratios
+
+
+def division_count_body(rank: int, world: int) -> dict[str, list[int]]:
+    """How many out-of-place divisions the backward dispatches, per divide factor, for ours and
+    torch's engine (torch's own test, ``test_singleton_copy_division``, counts them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordDivisions(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self.divisions = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.divisions += func == torch.ops.aten.div.Tensor
+            return func(*args, **(kwargs or {}))
+
+    counts: dict[str, list[int]] = {"ours": [], "torch": []}
+    for engine, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        for factor in (None, 1.0, 2.0):
+            model = nn.Linear(8, 4, bias=False)
+            shard(model, mesh=_one_rank_mesh())
+            if factor is not None:
+                model.set_gradient_divide_factor(factor)  # type: ignore[operator]
+            loss = model(torch.ones(3, 8)).sum()
+            with RecordDivisions() as recorder:
+                loss.backward()
+            grad = model.weight.grad.to_local()  # type: ignore[union-attr]
+            assert torch.equal(grad, torch.full((4, 8), 3 / (factor or 1))), (engine, factor)
+            counts[engine].append(recorder.divisions)
+    return counts
+
+
+def test_one_rank_reduction_divides_once(world2: WorkerPool) -> None:
+    """Closed form: with one rank per shard the gradient is the local one divided by the
+    factor, in one division (none for no factor or a factor of 1), as torch 2.15's own
+    ``test_singleton_copy_division`` counts; torch's engine as the oracle where it agrees
+    (2.15; 2.13 still divides by 1)."""
+    for counts in world2.run(division_count_body):
+        assert counts["ours"] == [0, 0, 1], counts
+        assert counts["torch"][0] == 0 and counts["torch"][2] == 1, counts

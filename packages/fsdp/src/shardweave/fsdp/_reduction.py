@@ -349,12 +349,23 @@ class GradientReduction:
         self.reduce_scatter_input = rs_input
         rs_stream = streams.reduce_scatter
         rs_stream.wait_stream(current)
+        # With one rank and only the divide factor to apply, the "reduce-scatter" is one
+        # out-of-place division, none for a factor of 1 (as torch 2.15's FSDP2 divides there:
+        # one ``div``, which its tests count). Difference from torch: torch also applies the
+        # pre/post factors in the fp16/force-sum cases; we divide exactly once.
+        factor = self._divide_factor
+        one_rank_div = (
+            None if world > 1 or pre is not None or post is not None or factor == 1 else factor
+        )
         with streams.use(rs_stream):
             _div_(rs_input, pre)
             # The output is the reduce-scatter stream's own block, also with one rank: the input
             # belongs to the current stream, which must not have to wait for the all-reduce or
             # the casts before reusing it (see Design note: stream ordering, points 6 and 8).
-            output = self._rs_comm.allocate((out_numel,), dtype=rdtype, device=self._device)
+            if one_rank_div is not None:
+                output = torch.div(rs_input, one_rank_div)
+            else:
+                output = self._rs_comm.allocate((out_numel,), dtype=rdtype, device=self._device)
         if world > 1:
             assert rs_group is not None
             in_flight = self._issue_reduce_scatter(rs_input, output, rs_group, rs_op)
@@ -362,12 +373,8 @@ class GradientReduction:
             yield in_flight, rs_stream
             self.reduce_scatter_finished_on_host = in_flight.finished_on_host
         else:
-            with streams.use(rs_stream):
-                if self._divide_factor is not None and pre is None and post is None:
-                    # Difference from torch: torch divides by the factor here *and* applies
-                    # pre/post factors in the fp16/force-sum cases; we divide exactly once.
-                    torch.div(rs_input, self._divide_factor, out=output)
-                else:
+            if one_rank_div is None:
+                with streams.use(rs_stream):
                     output.copy_(rs_input)
             self.reduce_scatter_event = rs_stream.record_event()
         # Read in full: from here only ``reduce_scatter_input`` keeps it, until the schedule
