@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tests._dist import assert_close
+from tests.fsdp._models import loss_fn, make_batch
 
 
 def local_chunk(full: torch.Tensor, placement_dim: int, world: int, rank: int) -> torch.Tensor:
@@ -62,6 +63,20 @@ def assert_same_as_torch(model: nn.Module, torch_model: nn.Module, tag: str = ""
             assert torch.equal(p.grad.to_local(), tp.grad.to_local()), (  # type: ignore[attr-defined]
                 f"{tag} {name}: grads differ from torch's FSDP2"
             )
+
+
+def train_both_as_torch(
+    model: nn.Module, torch_model: nn.Module, kind: str, rank: int, steps: int
+) -> None:
+    """``steps`` AdamW steps on ours and on torch's model (same batches), then bitwise shards."""
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, torch_model)]
+    for step in range(steps):
+        batch = make_batch(kind, 10 * step + rank)
+        for m, optim in zip((model, torch_model), optims, strict=True):
+            loss_fn(kind, m(batch), batch).backward()
+            optim.step()
+            optim.zero_grad()
+    assert_same_as_torch(model, torch_model, f"after {steps} AdamW steps")
 
 
 def registered_sharded(model: nn.Module) -> list[tuple[str, bool]]:

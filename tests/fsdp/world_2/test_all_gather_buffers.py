@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from tests._dist import WorkerPool
-from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
+from tests.fsdp._models import make_model, shard_blocks
+from tests.fsdp._oracle import train_both_as_torch
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 TORCH_BF16 = TorchMixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -57,22 +58,11 @@ def buffers_body(rank: int, world: int, one_rank: bool) -> dict[str, object]:
         assert not isinstance(p, DTensor), name
         assert p.dtype == torch.bfloat16, name
         # This rank's rows of the gathered parameter are its shard, cast (dim-0 chunks).
-        chunks = (p,) if one_rank else torch.chunk(p, world, dim=0)
-        mine = chunks[rank] if not one_rank else p
+        mine = p if one_rank else torch.chunk(p, world, dim=0)[rank]
         assert torch.equal(mine, shards[name].to(torch.bfloat16)), name
     block.reshard()
 
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    toptim = torch.optim.AdamW(tmodel.parameters(), lr=1e-2)
-    for step in range(2):
-        batch = make_batch("gpt", 10 * step + rank)
-        for m, o in ((model, optim), (tmodel, toptim)):
-            loss_fn("gpt", m(batch), batch).backward()
-            o.step()
-            o.zero_grad()
-    for (name, p), tp in zip(model.named_parameters(), tmodel.parameters(), strict=True):
-        assert isinstance(p, DTensor) and isinstance(tp, DTensor)
-        assert torch.equal(p.to_local(), tp.to_local()), name
+    train_both_as_torch(model, tmodel, "gpt", rank, steps=2)
     return seen
 
 

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import FSDPModule, fully_shard
 from tests._dist import WorkerPool, assert_close
-from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
+from tests.fsdp._models import make_model, shard_blocks
+from tests.fsdp._oracle import train_both_as_torch
 
 
 def _one_rank_mesh() -> DeviceMesh:
@@ -64,17 +65,7 @@ def aliasing_body(rank: int, world: int) -> dict[str, int]:
             sub.reshard()
 
     # Aliasing is invisible to training: three AdamW steps stay bitwise those of torch.
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    toptim = torch.optim.AdamW(tmodel.parameters(), lr=1e-2)
-    for step in range(3):
-        batch = make_batch("gpt", 10 * step + rank)
-        for m, o in ((model, optim), (tmodel, toptim)):
-            loss_fn("gpt", m(batch), batch).backward()
-            o.step()
-            o.zero_grad()
-    for (name, p), tp in zip(model.named_parameters(), tmodel.parameters(), strict=True):
-        assert isinstance(p, DTensor) and isinstance(tp, DTensor)
-        assert torch.equal(p.to_local(), tp.to_local()), name
+    train_both_as_torch(model, tmodel, "gpt", rank, steps=3)
     # And the unsharded parameters still view (and equal) the shards the optimizer updated.
     fsdp_modules = [sub for sub in model.modules() if isinstance(sub, FSDPModule)]
     for sub in fsdp_modules:
