@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -423,27 +423,15 @@ class GradientReduction:
             _div_(output, post)
             offset = 0
             offloaded = False
-            for source in sources:
-                if source.orig_dtype is None:  # explicit grad_dtypes differ: cast per parameter
-                    for fsdp_param in source.params:
-                        size, target = (
-                            fsdp_param.padded_sharded_numel,
-                            fsdp_param.sharded_grad_dtype,
-                        )
-                        out, start = output, offset
-                        if out.dtype != target:
-                            out, start = output.narrow(0, offset, size).to(target), 0
-                        offloaded |= fsdp_param.assign_sharded_grad(out, start)
-                        offset += size
-                    continue
-                # Each parameter views its slot by offset (no narrow per parameter); a cast
-                # makes a new buffer of this source's slots only.
+            # Each parameter views its slot by offset (no narrow per parameter); a cast makes
+            # a new buffer of one run's slots only.
+            for params, dtype in _cast_runs(sources):
                 out, start = output, offset
-                if out.dtype != source.orig_dtype:
-                    size = sum(p.padded_sharded_numel for p in source.params)
-                    out, start = output.narrow(0, offset, size).to(source.orig_dtype), 0
+                if out.dtype != dtype:
+                    size = sum(p.padded_sharded_numel for p in params)
+                    out, start = output.narrow(0, offset, size).to(dtype), 0
                 inner = start
-                for fsdp_param in source.params:
+                for fsdp_param in params:
                     offloaded |= fsdp_param.assign_sharded_grad(out, inner)
                     inner += fsdp_param.padded_sharded_numel
                 offset += inner - start
@@ -451,6 +439,17 @@ class GradientReduction:
             if offloaded:  # the same event orders the non-blocking device-to-host copies
                 self.offload_event = self.post_reduce_event
         return None
+
+
+def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[Sequence[FSDPParam], torch.dtype]]:
+    """The reduced output's slots in order, as runs that are handed back in one dtype: a
+    source's whole share, or each parameter alone where explicit ``grad_dtype``s differ."""
+    for source in sources:
+        if source.orig_dtype is not None:
+            yield source.params, source.orig_dtype
+        else:
+            for fsdp_param in source.params:
+                yield (fsdp_param,), fsdp_param.sharded_grad_dtype
 
 
 def reduce_scatters_to_retire(alive: int, max_input_buffers: int) -> int:
