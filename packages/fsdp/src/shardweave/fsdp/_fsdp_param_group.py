@@ -481,19 +481,22 @@ class FSDPParamGroup:
         wait_event(copy_in_stream, event)
         wait_event(all_gather_stream, event)
         flat = self._flat_sharded if self._param_dtypes_uniform else None
-        world = info.shard_mesh_size if isinstance(info, FSDPMeshInfo) else 1
+        world, rank = (
+            (info.shard_mesh_size, info.shard_mesh_rank)
+            if isinstance(info, FSDPMeshInfo)
+            else (1, 0)
+        )
         gathers = world > 1
         slots: list[torch.Tensor] = []  # the all-gather output, when the copy-in allocated it
 
         def into(numel: int, dtype: torch.dtype) -> torch.Tensor:
             # On the copy-in stream, as torch's FSDP2: both all-gather streams wait for the
             # copy-out before either reuses memory (point 3).
-            assert isinstance(info, FSDPMeshInfo)
             output = self._all_gather_comm.allocate(
                 (world * numel,), dtype=dtype, device=self.device
             )
             slots.append(output)
-            return output.narrow(0, info.shard_mesh_rank * numel, numel)
+            return output.narrow(0, rank * numel, numel)
 
         with streams.use(copy_in_stream):
             inp, sizes, as_bytes = all_gather_copy_in(
@@ -505,9 +508,9 @@ class FSDPParamGroup:
                 into if gathers else None,
             )
         if _trace.ACTIVE is not None:
-            # The gathered bytes in the parameters' dtype (one rank per shard: cast later).
-            dtype = self._uniform_param_dtype if inp is flat or not gathers else None
-            itemsize = (dtype or inp.dtype).itemsize if not as_bytes else 1
+            # The gathered bytes in the parameters' dtype (one rank per shard: the input is
+            # the uncast shard, as the copy-out casts).
+            itemsize = 1 if as_bytes else (self._uniform_param_dtype or inp.dtype).itemsize
             _trace.ACTIVE.copy_in_end(self.trace_key, world * inp.numel() * itemsize)
         kept_input = None if inp is flat or slots else inp
         if not gathers:
