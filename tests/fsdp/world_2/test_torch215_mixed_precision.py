@@ -258,10 +258,12 @@ def test_same_override_on_every_rank_passes_the_fingerprint(world2: WorkerPool) 
 
 
 # --- accelerator branches ---------------------------------------------------------------------
-def sanitized(rank: int, world: int, override: bool) -> dict[str, Any]:
+def sanitized(rank: int, world: int, variant: str) -> dict[str, Any]:
     with stream_sanitizer(accelerator=True) as report:
         model = make_model("gpt")
-        fn = _keep_norms_fp32(model) if override else None
+        fn = _keep_norms_fp32(model) if variant == "mixed-group" else None
+        if variant == "explicit-grad-dtypes":
+            _set_grad_dtype(model, "matrices")
         _shard(model, fully_shard, MixedPrecisionPolicy(torch.bfloat16, param_dtype_override_fn=fn))
         for step in range(2):
             for micro in range(2):
@@ -269,18 +271,28 @@ def sanitized(rank: int, world: int, override: bool) -> dict[str, Any]:
                 batch = make_batch("gpt", 100 * step + 10 * micro + rank)
                 loss_fn("gpt", model(batch).float(), batch).backward()
             for p in model.parameters():
-                assert p.grad is not None and p.grad.dtype == torch.float32
+                expected = _explicit_or(p, torch.float32)
+                assert p.grad is not None and p.grad.dtype == expected, (p.grad, expected)
             model.zero_grad()
     return {"races": report.races, "unsafe": report.unsafe_reuses}
 
 
-@pytest.mark.parametrize("override", [False, True], ids=["default-reduce", "mixed-group"])
+def _explicit_or(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """An explicit ``grad_dtype`` if one was set on ``p``, else ``dtype``."""
+    return p.grad_dtype if getattr(p, "_has_grad_dtype_override", False) else dtype
+
+
+@pytest.mark.parametrize("variant", ["default-reduce", "mixed-group", "explicit-grad-dtypes"])
 def test_new_reduce_dtypes_are_race_free_on_accelerator_branches(
-    world2: WorkerPool, override: bool
+    world2: WorkerPool, variant: str
 ) -> None:
     """Oracle: the stream sanitizer (0 races, 0 unsafe reuses) over bf16 compute with the
-    default reduce dtype and a mixed bf16/fp32 group, with accumulation without sync."""
-    for result in world2.run(sanitized, override):
+    default reduce dtype, a mixed bf16/fp32 group (``param_dtype_override_fn``) and, on torch
+    2.15, explicit bf16 ``grad_dtype``s on the matrices (cast and copied runs), with
+    accumulation without sync."""
+    if variant == "explicit-grad-dtypes" and not TORCH_HAS_GRAD_DTYPE_FLAG:
+        pytest.skip("parameters have no explicit-grad_dtype flag before torch 2.15")
+    for result in world2.run(sanitized, variant):
         assert isinstance(result, dict)
         assert not result["races"] and not result["unsafe"], result
 
@@ -300,6 +312,9 @@ GRAD_DTYPE_CASES: dict[str, dict[str, Any]] = {
     },
     # only the LayerNorms' gradients are bf16: one group, two gradient dtypes
     "norms-only": {"param_dtype": torch.bfloat16, "reduce_dtype": None, "on": "norms"},
+    # only the matrices' gradients are bf16: most of each group's output is cast, so the
+    # few fp32 gradients are copied out of it rather than keeping all of it alive
+    "matrices-only": {"param_dtype": None, "reduce_dtype": None, "on": "matrices"},
     # set on the sharded parameters after fully_shard, before the first forward
     "after-fully-shard": {"param_dtype": torch.bfloat16, "reduce_dtype": None, "on": "sharded"},
 }
@@ -308,8 +323,18 @@ GRAD_DTYPE_CASES: dict[str, dict[str, Any]] = {
 def _set_grad_dtype(model: nn.Module, on: str) -> None:
     norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
     for p in model.parameters():
-        if on != "norms" or id(p) in norms:
+        if on == "all" or (on == "norms" and id(p) in norms) or (on == "matrices" and p.ndim == 2):
             p.grad_dtype = torch.bfloat16
+
+
+def _grad_storage_bytes(model: nn.Module) -> int:
+    """Bytes the local gradients hold, each storage counted once (views keep all of theirs)."""
+    storages = {
+        g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+        for p in model.parameters()
+        if p.grad is not None and (g := p.grad.to_local()).numel()  # type: ignore[attr-defined]
+    }
+    return sum(storages.values())
 
 
 def explicit_grad_dtype(rank: int, world: int, case: str, microbatches: int) -> None:
@@ -343,6 +368,8 @@ def explicit_grad_dtype(rank: int, world: int, case: str, microbatches: int) -> 
         # closed form: the explicit dtype is the gradients' (bf16 where it was set)
         assert torch.bfloat16 in {ours for ours, _ in grads}, (case, grads)
         assert_same_as_torch(model, tmodel, f"{case} step {step}")
+        held = _grad_storage_bytes(model), _grad_storage_bytes(tmodel)
+        assert held[0] == held[1], f"{case} step {step}: gradients hold {held} bytes"
         for o in opts:
             o.step()
             o.zero_grad()
@@ -363,6 +390,7 @@ def test_explicit_grad_dtype_matches_torch(
 ) -> None:
     """Oracle: compatibility, bitwise with torch 2.15's fully_shard (losses, shards, grads and
     their dtypes), for a ``Parameter.grad_dtype`` set before or after sharding, on every
-    parameter or a group's LayerNorms only, with and without ``reduce_dtype``, and
-    accumulating microbatches without sync."""
+    parameter, a group's LayerNorms or its matrices only, with and without ``reduce_dtype``,
+    and accumulating microbatches without sync; and the gradients hold as many bytes as
+    torch's (a mixed group's fp32 gradients do not keep its whole reduced output alive)."""
     world2.run(explicit_grad_dtype, case, microbatches)

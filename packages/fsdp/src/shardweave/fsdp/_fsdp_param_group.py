@@ -194,6 +194,8 @@ class FSDPParamGroup:
         self._lazy_inited = False
         self._orig_dtype: torch.dtype | None = None
         self._reduce_dtype: torch.dtype | None = None
+        self._sharded_grad_dtype: torch.dtype | None = None
+        self._grad_dtype_rank: dict[torch.dtype, int] = {}
         # Set at lazy init: the one param_dtype every param wants, and whether the flat fast
         # path applies (it casts the whole buffer at once, so all params must agree).
         self._uniform_param_dtype: torch.dtype | None = None
@@ -389,6 +391,11 @@ class FSDPParamGroup:
         # an explicit grad_dtype on some parameters makes them differ (cast per parameter).
         grad_dtypes = {p.sharded_grad_dtype for p in trainable}
         self._sharded_grad_dtype = next(iter(grad_dtypes)) if len(grad_dtypes) == 1 else None
+        # Where they differ, the reduction lays the gradients out by that dtype (in the order
+        # the dtypes first occur; stable within each), as torch 2.15 does, so that each dtype
+        # is one run of the output: one cast per dtype, not per parameter.
+        first = dict.fromkeys(p.sharded_grad_dtype for p in self.fsdp_params)
+        self._grad_dtype_rank = {dtype: i for i, dtype in enumerate(first)}
         # Only a per-parameter param_dtype (param_dtype_override_fn) mixes the dtypes the
         # gradients arrive in: one reduction in their promoted dtype, as torch 2.15 does.
         self._reduce_dtype = group_reduce_dtype(
@@ -735,6 +742,12 @@ class FSDPParamGroup:
             orig_dtype: torch.dtype | None = grads[0].dtype
         else:
             orig_dtype = self._sharded_grad_dtype
+        if orig_dtype is None:  # explicit grad_dtypes differ: by dtype, see _init_mp_dtypes
+            rank = self._grad_dtype_rank
+            order = sorted(
+                range(len(with_grad)), key=lambda i: rank[with_grad[i].sharded_grad_dtype]
+            )
+            with_grad, grads = [with_grad[i] for i in order], [grads[i] for i in order]
         streams = self.comm_ctx.streams(self.device)
         traced_bytes = 0
         if _trace.ACTIVE is not None:

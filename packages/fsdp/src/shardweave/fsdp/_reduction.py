@@ -24,6 +24,7 @@ Design note: one reduction pipeline, buckets as a variant
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -424,12 +425,18 @@ class GradientReduction:
             offset = 0
             offloaded = False
             # Each parameter views its slot by offset (no narrow per parameter); a cast makes
-            # a new buffer of one run's slots only.
-            for params, dtype in _cast_runs(sources):
+            # a new buffer of one run's slots only. Views of an uncast run keep the whole
+            # output alive, the cast runs' slots with it: where those are the larger part the
+            # uncast runs are copied instead, as torch 2.15 does.
+            runs = [(params, dtype, _numel(params)) for params, dtype in _cast_runs(sources)]
+            cast = sum(numel for _, dtype, numel in runs if dtype != output.dtype)
+            copy_uncast = 2 * cast > sum(numel for *_, numel in runs)
+            for params, dtype, size in runs:
                 out, start = output, offset
                 if out.dtype != dtype:
-                    size = sum(p.padded_sharded_numel for p in params)
                     out, start = output.narrow(0, offset, size).to(dtype), 0
+                elif copy_uncast:
+                    out, start = output.narrow(0, offset, size).clone(), 0
                 inner = start
                 for fsdp_param in params:
                     offloaded |= fsdp_param.assign_sharded_grad(out, inner)
@@ -441,15 +448,20 @@ class GradientReduction:
         return None
 
 
-def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[Sequence[FSDPParam], torch.dtype]]:
+def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[list[FSDPParam], torch.dtype]]:
     """The reduced output's slots in order, as runs that are handed back in one dtype: a
-    source's whole share, or each parameter alone where explicit ``grad_dtype``s differ."""
+    source's whole share, or, where explicit ``grad_dtype``s differ, each stretch of one dtype
+    (the group laid its gradients out by dtype, ``FSDPParamGroup.post_backward``)."""
     for source in sources:
         if source.orig_dtype is not None:
             yield source.params, source.orig_dtype
         else:
-            for fsdp_param in source.params:
-                yield (fsdp_param,), fsdp_param.sharded_grad_dtype
+            for dtype, run in itertools.groupby(source.params, lambda p: p.sharded_grad_dtype):
+                yield list(run), dtype
+
+
+def _numel(params: Sequence[FSDPParam]) -> int:
+    return sum(p.padded_sharded_numel for p in params)
 
 
 def reduce_scatters_to_retire(alive: int, max_input_buffers: int) -> int:
