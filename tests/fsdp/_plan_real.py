@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,6 +65,23 @@ def mlp_stack() -> nn.Sequential:
 FACTORIES = {"gpt": gpt, "gpt_ac": gpt_ac, "mlp": mlp_stack}
 
 
+def factory_of(cfg: dict[str, Any]) -> Callable[[], nn.Module]:
+    """The case's model; with ``grad_dtype``, every matrix gets that explicit
+    ``Parameter.grad_dtype`` (torch 2.15), so its groups mix gradient dtypes."""
+    base = FACTORIES[cfg["kind"]]
+    if not cfg.get("grad_dtype"):
+        return base
+
+    def build() -> nn.Module:
+        model = base()
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.grad_dtype = {"bf16": torch.bfloat16}[cfg["grad_dtype"]]
+        return model
+
+    return build
+
+
 def dim1_where_even(param: nn.Parameter) -> Shard | None:
     """``shard_placement_fn``: matrices whose dim 1 is a multiple of 4 shard on dim 1."""
     return Shard(1) if param.ndim == 2 and param.shape[1] % 4 == 0 else None
@@ -105,7 +122,7 @@ def mp_policy_of(cfg: dict[str, Any]) -> MixedPrecisionPolicy | None:
 def plan_for(cfg: dict[str, Any], world: int) -> Plan:
     kind = cfg["kind"]
     return plan(
-        FACTORIES[kind],
+        factory_of(cfg),
         mesh=cfg.get("mesh", world),
         wrap="Linear" if kind == "mlp" else "Block",
         mp_policy=mp_policy_of(cfg),
@@ -333,7 +350,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     )
     with memory_profile() as prof, branches:
         torch.manual_seed(0)
-        model = FACTORIES[kind]()
+        model = factory_of(cfg)()
         blocks = (
             [m for m in model.modules() if isinstance(m, nn.Linear)]
             if kind == "mlp"

@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from tests._dist import WorkerPool
 from tests.fsdp._plan_real import assert_plan_matches, case_id, measure
@@ -32,8 +34,26 @@ CASES: list[dict[str, Any]] = [
     {"kind": "mlp", "mesh": (2, 1), "accelerator": True},
     {"kind": "mlp", "mesh": (2, 1), "reduce": "bf16", "accelerator": True},
 ]
+# An explicit Parameter.grad_dtype on the matrices (torch 2.15 only): gradients made, reduced
+# and kept in bf16 beside fp32 ones; with bf16 compute and an fp32 reduce_dtype, kept in bf16.
+# SGD with momentum: torch's Adam does not step fp32 parameters with bf16 gradients.
+# torch 2.15's parameters record an explicit grad_dtype; older ones have no such flag.
+PARAMS_HAVE_GRAD_DTYPE = hasattr(nn.Parameter(torch.ones(1)), "_has_grad_dtype_override")
+GRAD_DTYPE_CASES: list[dict[str, Any]] = [
+    {"kind": "gpt", "grad_dtype": "bf16", "optim": "sgd_momentum"},
+    {"kind": "gpt", "mp": True, "grad_dtype": "bf16", "optim": "sgd_momentum"},
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_plan_vs_real_world2(world2: WorkerPool, case: dict[str, Any]) -> None:
+    assert_plan_matches(world2.run(measure, case), case)
+
+
+@pytest.mark.skipif(
+    not PARAMS_HAVE_GRAD_DTYPE,
+    reason="parameters have no explicit-grad_dtype flag before torch 2.15",
+)
+@pytest.mark.parametrize("case", GRAD_DTYPE_CASES, ids=case_id)
+def test_plan_vs_real_explicit_grad_dtype(world2: WorkerPool, case: dict[str, Any]) -> None:
     assert_plan_matches(world2.run(measure, case), case)

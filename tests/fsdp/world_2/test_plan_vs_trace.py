@@ -19,11 +19,15 @@ from shardweave.fsdp._fsdp_state import get_fsdp_state
 from shardweave.fsdp.plan import plan
 from tests._dist import WorkerPool
 from tests.fsdp._models import loss_fn, make_batch, make_model
+from tests.fsdp._plan_real import keep_tagged_dtype
 
 CONFIGS: list[dict[str, Any]] = [
     {"kind": "gpt"},
     {"kind": "gpt", "reshard": False},
     {"kind": "gpt", "mp": "bf16"},
+    # param_dtype_override_fn keeps the LayerNorms in fp32 and there is no reduce_dtype: each
+    # block's gradients arrive in bf16 and fp32 and reduce in the promoted fp32
+    {"kind": "gpt", "mp": "bf16-norms-fp32"},
     {"kind": "mlp", "optim": "sgd_momentum"},
 ]
 CONFIGS_4: list[dict[str, Any]] = [
@@ -63,6 +67,16 @@ def _held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def _model(kind: str) -> torch.nn.Module:
+    """The model, its LayerNorms' parameters tagged for ``keep_tagged_dtype``."""
+    model = make_model(kind)
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            for p in module.parameters():
+                p.keep_own_dtype = True  # type: ignore[attr-defined]
+    return model
+
+
 def plan_matches_trace(rank: int, world: int, cfg: dict[str, Any]) -> None:
     kind = cfg["kind"]
     if cfg.get("hsdp"):
@@ -71,12 +85,18 @@ def plan_matches_trace(rank: int, world: int, cfg: dict[str, Any]) -> None:
     else:
         mesh = init_device_mesh("cpu", (world,))
         mesh_arg = world
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cfg.get("mp") else None
+    mp = {
+        None: None,
+        "bf16": MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+        "bf16-norms-fp32": MixedPrecisionPolicy(
+            torch.bfloat16, param_dtype_override_fn=keep_tagged_dtype
+        ),
+    }[cfg.get("mp")]
     reshard = cfg.get("reshard", True)
     optim = cfg.get("optim", "adamw")
-    model = make_model(kind)
+    model = _model(kind)
     predicted = plan(
-        lambda: make_model(kind),
+        lambda: _model(kind),
         mesh=mesh_arg,
         wrap="Block" if kind == "gpt" else "Linear",
         mp_policy=mp or None,

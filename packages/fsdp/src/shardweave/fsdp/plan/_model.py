@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardweave.fsdp._torch_compat import has_grad_dtype_override
+
 __all__ = ["GroupSpec", "ParamSpec", "PlanError", "discover_groups", "module_wrap_predicate"]
 
 ROOT_KEY = "<root>"  # the tracer's key for the root module's group (its FQN is "")
@@ -44,6 +46,7 @@ class ParamSpec:
     dtype: torch.dtype
     requires_grad: bool
     shard_dim: int = 0  # from ``shard_placement_fn``
+    grad_dtype: torch.dtype | None = None  # an explicit ``Parameter.grad_dtype`` (torch 2.15)
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,10 @@ def discover_groups(
                 tp_dim = None if tp_shard_dim is None else tp_shard_dim(fqn, param)
                 shape = _tp_local_shape(tuple(param.shape), tp, tp_dim)
                 dim = _shard_dim(fqn, param, shape, shard_placement_fn, shard_size)
-                params.append(ParamSpec(fqn, shape, param.dtype, param.requires_grad, dim))
+                grad_dtype = param.grad_dtype if has_grad_dtype_override(param) else None
+                params.append(
+                    ParamSpec(fqn, shape, param.dtype, param.requires_grad, dim, grad_dtype)
+                )
                 if module is not root:
                     child = _direct_child_name(names.get(module, ""), key)
                     child_numel[child] = child_numel.get(child, 0) + param.numel()

@@ -4,6 +4,7 @@ from parameter shapes alone (a meta-device model; no process group, no parameter
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ from shardweave.fsdp.plan._activations import (
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
+    ParamSpec,
     PlanError,
     WrapPredicate,
     discover_groups,
@@ -491,11 +493,18 @@ def _group_plan(
     rank0 = last = cast_input = ar_staging = scratch = relayout = 0
     orig_dtypes = {p.dtype for p in spec.params}
     casts = False
+    # One reduction per group, in the promoted dtype of what its gradients are reduced in
+    # (group_reduce_dtype): mixed only where param_dtype_override_fn or explicit grad_dtypes
+    # make them differ.
+    trained = [p for p in spec.params if p.requires_grad]
+    rds = {_reduced_in(p, param_dtypes.get(p.fqn, mp.param_dtype), mp) for p in trained}
+    rd = functools.reduce(torch.promote_types, rds) if rds else torch.float32
+    out_dtype_differs = False
     for p in spec.params:
         lay = layout(p.shape, world, p.shard_dim)
         pd = param_dtypes.get(p.fqn, mp.param_dtype)
         ud = unsharded_dtype(p.dtype, pd)
-        rd = reduce_dtype(p.dtype, pd, mp.reduce_dtype)
+        gd = p.grad_dtype or p.dtype  # the sharded gradient's
         casts |= ud != p.dtype
         orig = p.dtype.itemsize
         numel += lay.numel
@@ -514,11 +523,16 @@ def _group_plan(
             post += world * lay.padded_shard_numel // mode * ud.itemsize
         if p.requires_grad:
             trainable += lay.numel
-            grad += lay.padded_shard_numel * orig
-            # Adam's per-parameter ``step`` is a 4-byte tensor beside its two moments.
-            opt += states * lay.rank0_numel * orig + (4 if states == 2 else 0)
-            opt_last += states * lay.last_numel * orig + (4 if states == 2 else 0)
-            ugrad += lay.numel * ud.itemsize
+            grad += lay.padded_shard_numel * gd.itemsize
+            out_dtype_differs |= rd != gd
+            # Adam's moments are made like the parameter, with a 4-byte ``step`` tensor beside
+            # them; SGD's momentum is a clone of the first gradient (its dtype).
+            size = orig if states == 2 else gd.itemsize
+            opt += states * lay.rank0_numel * size + (4 if states == 2 else 0)
+            opt_last += states * lay.last_numel * size + (4 if states == 2 else 0)
+            # An explicit grad_dtype and no reduce_dtype: autograd makes them in it.
+            made_in = p.grad_dtype if p.grad_dtype and mp.reduce_dtype is None else ud
+            ugrad += lay.numel * made_in.itemsize
             rs += world * lay.padded_shard_numel * rd.itemsize
             ar += lay.padded_shard_numel * rd.itemsize
             if rd.itemsize < 4:
@@ -582,11 +596,6 @@ def _group_plan(
         params=tuple(params),
         aliases_shards=aliases,
     )
-    out_dtype_differs = any(
-        reduce_dtype(p.dtype, mp.param_dtype, mp.reduce_dtype) != p.dtype
-        for p in spec.params
-        if p.requires_grad
-    )
     tr = GroupTraffic(
         key=spec.key,
         parent=spec.parent,
@@ -648,6 +657,15 @@ def _rank_rows(
             "peak_tensor_bytes": peak_less_opt + opt_last,
         },
     }
+
+
+def _reduced_in(
+    p: ParamSpec, param_dtype: torch.dtype | None, mp: MixedPrecisionPolicy
+) -> torch.dtype:
+    """The dtype one parameter's gradient is reduced in (``FSDPParam.init_dtype_attrs``): the
+    policy's ``reduce_dtype``, else an explicit ``grad_dtype``, else the release's rule."""
+    policy_reduce = mp.reduce_dtype if mp.reduce_dtype is not None else p.grad_dtype
+    return reduce_dtype(p.dtype, param_dtype, policy_reduce)
 
 
 def resolved_param_dtypes(
