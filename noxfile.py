@@ -70,6 +70,8 @@ PIP_CONSTRAINT_CAP = (2, 14, 1)
 #   communication controls at world 2, training / HSDP at world 4, replicate, the extensions
 #   (FSDP x TP, subclass all-gather, SPMD meshes) and the version rules in _torch_compat;
 # - accelerator: the engine's accelerator branches under the stream sanitizer;
+# - faults: the never-hang contract;
+# - planner: the planner's predictions against real steps, and its closed forms;
 # - integration: the frameworks (pinned), where their pins accept that torch (see
 #   COMPAT_INTEGRATION_TORCH).
 COMPAT_GROUPS: dict[str, tuple[str, ...]] = {
@@ -108,6 +110,17 @@ COMPAT_GROUPS: dict[str, tuple[str, ...]] = {
         "tests/fsdp/world_2/test_never_hang.py",
         "tests/fsdp/world_2/test_peer_exit.py",
         "tests/fsdp/world_2/test_watchdog_accelerator.py",
+    ),
+    # the planner against real steps: its dtype rules follow the release's (the reduce dtype
+    # from 2.15), and its closed forms name them
+    "planner": (
+        "tests/fsdp/world_1/test_plan.py",
+        "tests/fsdp/world_1/test_plan_fit.py",
+        "tests/fsdp/world_2/test_plan_vs_real.py",
+        "tests/fsdp/world_2/test_plan_vs_trace.py",
+        "tests/fsdp/world_2/test_plan_fit_real.py",
+        "tests/fsdp/world_4/test_plan_vs_real.py",
+        "tests/fsdp/world_4/test_plan_fit_real.py",
     ),
     "integration": ("tests/integration",),
 }
