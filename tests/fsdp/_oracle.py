@@ -9,6 +9,10 @@ from torch.distributed.tensor import DTensor
 from tests._dist import assert_close
 from tests.fsdp._models import loss_fn, make_batch
 
+# torch 2.15's parameters record an explicit ``grad_dtype`` (the oracle honours one); older
+# releases have no such flag, and their tests of it skip.
+TORCH_HAS_EXPLICIT_GRAD_DTYPE = hasattr(nn.Parameter(torch.ones(1)), "_has_grad_dtype_override")
+
 
 def local_chunk(full: torch.Tensor, placement_dim: int, world: int, rank: int) -> torch.Tensor:
     """What ``rank`` holds of ``full`` under torch.chunk sharding (empty for trailing ranks)."""

@@ -15,14 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from shardweave.fsdp import AllGather, FSDPModule, ReduceScatter, fully_shard
+from shardweave.fsdp import AllGather, FSDPModule, MixedPrecisionPolicy, ReduceScatter, fully_shard
 from shardweave.fsdp._torch_compat import all_gather_single, reduce_scatter_single
 from tests._dist import WorkerPool, assert_close
 from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
-from tests.fsdp._oracle import assert_same_as_torch
+from tests.fsdp._oracle import TORCH_HAS_EXPLICIT_GRAD_DTYPE, assert_same_as_torch
 
 
 def _skip_unless_torch_has(*methods: str) -> None:
@@ -211,28 +212,54 @@ class Routed(nn.Module):
         return self.experts[which](x)
 
 
-def unused_params(rank: int, world: int) -> None:
+# What the unused expert's zero gradient is made in: the dtype autograd would have made its
+# gradient in, as torch's engine makes it.
+UNUSED_VARIANTS: dict[str, dict[str, bool]] = {
+    "fp32": {},
+    # bf16 compute, no reduce_dtype: bf16 zeros, and fp32 from torch 2.15 (the gradient's dtype)
+    "bf16-compute": {"mp": True},
+    # an explicit bf16 grad_dtype on the experts' weights (torch 2.15): bf16 zeros for them
+    "explicit-grad-dtype": {"grad_dtype": True},
+}
+
+
+def unused_params(rank: int, world: int, variant: str) -> None:
+    cfg = UNUSED_VARIANTS[variant]
     torch.manual_seed(0)
     model = Routed()
     ref, tmodel = copy.deepcopy(model), copy.deepcopy(model)
-    for m, api in ((model, fully_shard), (tmodel, torch_fully_shard)):
-        api(m)
+    if cfg.get("grad_dtype"):  # after the copies: deepcopy does not carry the flag
+        for m in (model, tmodel):
+            for expert in m.experts:  # type: ignore[union-attr]
+                expert.weight.grad_dtype = torch.bfloat16
+    for m, api, policy in (
+        (model, fully_shard, MixedPrecisionPolicy),
+        (tmodel, torch_fully_shard, TorchMixedPrecisionPolicy),
+    ):
+        api(m, mp_policy=policy(param_dtype=torch.bfloat16 if cfg.get("mp") else None))
         m.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     for m in (model, tmodel):
-        m(xs[rank], rank % 2).sum().backward()
-    (sum(ref(x, r % 2).sum() for r, x in enumerate(xs)) / world).backward()  # type: ignore[union-attr]
-    assert_same_as_torch(model, tmodel)
-    for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
-        full = p.grad.full_tensor()  # type: ignore[union-attr]
-        assert_close(full, rp.grad)  # type: ignore[arg-type]
+        m(xs[rank], rank % 2).float().sum().backward()
+    grads = [(p.grad.dtype, tp.grad.dtype) for p, tp in  # type: ignore[union-attr]
+             zip(model.parameters(), tmodel.parameters(), strict=True)]  # fmt: skip
+    assert all(ours == theirs for ours, theirs in grads), (variant, grads)
+    assert_same_as_torch(model, tmodel, variant)
+    if not cfg:  # fp32: the gradients of the whole batch, one process
+        (sum(ref(x, r % 2).sum() for r, x in enumerate(xs)) / world).backward()  # type: ignore[union-attr]
+        for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
+            assert_close(p.grad.full_tensor(), rp.grad)  # type: ignore[union-attr, arg-type]
 
 
-def test_reduce_scatter_unused_params(world2: WorkerPool) -> None:
+@pytest.mark.parametrize("variant", list(UNUSED_VARIANTS))
+def test_reduce_scatter_unused_params(world2: WorkerPool, variant: str) -> None:
     """Oracles: reference and compatibility: ranks using different experts still issue the
-    same reduce-scatter, and gradients are right."""
+    same reduce-scatter, and gradients are right; the unused expert's zeros are in the dtype
+    torch's engine makes them in (bf16 compute, an explicit grad_dtype), bitwise."""
     _skip_unless_torch_has("set_reduce_scatter_unused_params")
-    world2.run(unused_params)
+    if UNUSED_VARIANTS[variant].get("grad_dtype") and not TORCH_HAS_EXPLICIT_GRAD_DTYPE:
+        pytest.skip("parameters have no explicit-grad_dtype flag before torch 2.15")
+    world2.run(unused_params, variant)
 
 
 def separate_rs_group(rank: int, world: int) -> None:

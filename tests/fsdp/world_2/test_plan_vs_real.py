@@ -14,10 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
 from tests._dist import WorkerPool
+from tests.fsdp._oracle import TORCH_HAS_EXPLICIT_GRAD_DTYPE
 from tests.fsdp._plan_real import assert_plan_matches, case_id, measure
 
 CASES: list[dict[str, Any]] = [
@@ -37,8 +36,6 @@ CASES: list[dict[str, Any]] = [
 # An explicit Parameter.grad_dtype on the matrices (torch 2.15 only): gradients made, reduced
 # and kept in bf16 beside fp32 ones; with bf16 compute and an fp32 reduce_dtype, kept in bf16.
 # SGD with momentum: torch's Adam does not step fp32 parameters with bf16 gradients.
-# torch 2.15's parameters record an explicit grad_dtype; older ones have no such flag.
-PARAMS_HAVE_GRAD_DTYPE = hasattr(nn.Parameter(torch.ones(1)), "_has_grad_dtype_override")
 GRAD_DTYPE_CASES: list[dict[str, Any]] = [
     {"kind": "gpt", "grad_dtype": "bf16", "optim": "sgd_momentum"},
     {"kind": "gpt", "mp": True, "grad_dtype": "bf16", "optim": "sgd_momentum"},
@@ -51,7 +48,7 @@ def test_plan_vs_real_world2(world2: WorkerPool, case: dict[str, Any]) -> None:
 
 
 @pytest.mark.skipif(
-    not PARAMS_HAVE_GRAD_DTYPE,
+    not TORCH_HAS_EXPLICIT_GRAD_DTYPE,
     reason="parameters have no explicit-grad_dtype flag before torch 2.15",
 )
 @pytest.mark.parametrize("case", GRAD_DTYPE_CASES, ids=case_id)

@@ -30,7 +30,7 @@ from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from tests._dist import WorkerPool
 from tests._dist.stream_sanitizer import stream_sanitizer
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model
-from tests.fsdp._oracle import assert_same_as_torch
+from tests.fsdp._oracle import TORCH_HAS_EXPLICIT_GRAD_DTYPE, assert_same_as_torch
 
 TORCH_HAS_OVERRIDE = "param_dtype_override_fn" in {
     f.name for f in dataclasses.fields(TorchMixedPrecisionPolicy)
@@ -290,7 +290,7 @@ def test_new_reduce_dtypes_are_race_free_on_accelerator_branches(
     default reduce dtype, a mixed bf16/fp32 group (``param_dtype_override_fn``) and, on torch
     2.15, explicit bf16 ``grad_dtype``s on the matrices (cast and copied runs), with
     accumulation without sync."""
-    if variant == "explicit-grad-dtypes" and not TORCH_HAS_GRAD_DTYPE_FLAG:
+    if variant == "explicit-grad-dtypes" and not TORCH_HAS_EXPLICIT_GRAD_DTYPE:
         pytest.skip("parameters have no explicit-grad_dtype flag before torch 2.15")
     for result in world2.run(sanitized, variant):
         assert isinstance(result, dict)
@@ -298,7 +298,6 @@ def test_new_reduce_dtypes_are_race_free_on_accelerator_branches(
 
 
 # --- an explicit Parameter.grad_dtype (torch 2.15) ---------------------------------------------
-TORCH_HAS_GRAD_DTYPE_FLAG = hasattr(nn.Parameter(torch.ones(1)), "_has_grad_dtype_override")
 GRAD_DTYPE_CASES: dict[str, dict[str, Any]] = {
     # no mixed precision: fp32 parameters whose gradients are bf16
     "fp32-params-bf16-grads": {"param_dtype": None, "reduce_dtype": None, "on": "all"},
@@ -377,7 +376,7 @@ def explicit_grad_dtype(rank: int, world: int, case: str, microbatches: int) -> 
 
 
 @pytest.mark.skipif(
-    not TORCH_HAS_GRAD_DTYPE_FLAG,
+    not TORCH_HAS_EXPLICIT_GRAD_DTYPE,
     reason="parameters have no explicit-grad_dtype flag before torch 2.15",
 )
 @pytest.mark.parametrize(
