@@ -388,7 +388,7 @@ class FSDPParamGroup:
             )
         self._orig_dtype = next(iter(orig)) if trainable else None
         # What the sharded gradients are handed back in: one dtype for the group, or None when
-        # an explicit grad_dtype on some parameters makes them differ (cast per parameter).
+        # an explicit grad_dtype on some parameters makes them differ (see post_backward).
         grad_dtypes = {p.sharded_grad_dtype for p in trainable}
         self._sharded_grad_dtype = next(iter(grad_dtypes)) if len(grad_dtypes) == 1 else None
         # Where they differ, the reduction lays the gradients out by that dtype (in the order
