@@ -81,10 +81,16 @@ class LiveBytesRecorder:
         return MemoryStats(peak=max([before, *in_window]), live_before=before, live_after=after)
 
 
+# The scopes a process group's own allocations happen in: the c10d op on the issuing thread,
+# and gloo's own scope on its worker thread ("gloo:all_gather" stages each rank's input there,
+# at a moment only the worker's schedule decides).
+_COLLECTIVE_SCOPES: Final = ("c10d::", "gloo:")
+
+
 def _in_collective(event: Any) -> bool:
     parent = event.parent
     while parent is not None:
-        if parent.name.startswith("c10d::"):
+        if parent.name.startswith(_COLLECTIVE_SCOPES):
             return True
         parent = parent.parent
     return False

@@ -58,7 +58,10 @@ allocated since then: the model, its sharded/unsharded parameters, gradients, op
 activations, the engines' collective buffers, and anything an engine keeps in C++ (DDP's
 gradient buckets) that a Python-side walk would miss. Left out, for every implementation
 alike: what the process group allocates inside a collective call (gloo's reduce-scatter clones
-its input to all-reduce it), which is freed by whichever thread finishes the collective, and
+its input to all-reduce it; its all-gather stages the input on its worker thread, under
+``gloo:all_gather``, at a moment only that thread's schedule decides, which moved either
+engine's peak by one block's all-gather input from run to run until 2026-11-27), which is
+freed by whichever thread finishes the collective, and
 a free on a thread the profiler does not instrument (shardweave waits for gloo's
 reduce-scatter on a thread of its own) would leave it counted for the rest of the run (see
 ``_memory._engine_totals``); and tensors made before the profiler started. CPU has no
