@@ -14,10 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
@@ -67,6 +73,64 @@ def fsdp_tp_parity(rank: int, world: int, use_mp: bool) -> None:
 def test_fsdp_tp_parity(world4: WorkerPool, use_mp: bool) -> None:
     """Oracles: compatibility (bitwise, placements) and reference (full tensors)."""
     world4.run(fsdp_tp_parity, use_mp)
+
+
+class SPBlock(nn.Module):
+    """A pre-norm residual MLP as torchtitan parallelizes it: the LayerNorm sequence parallel
+    (its weight and bias replicated on tp, their gradients ``Partial`` there), colwise in,
+    rowwise out back to sequence shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _sp_model(api: object, policy: object, mesh: DeviceMesh) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(SPBlock(), SPBlock())
+    plan = {
+        "norm": SequenceParallel(),
+        "mlp.in_proj": ColwiseParallel(),
+        "mlp.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for block in model:
+        parallelize_module(block, mesh["tp"], plan)
+        api(block, mesh=mesh["dp"], mp_policy=policy)  # type: ignore[operator]
+    api(model, mesh=mesh["dp"], mp_policy=policy)  # type: ignore[operator]
+    return model
+
+
+def sequence_parallel_norms(rank: int, world: int, reduce_dtype: torch.dtype | None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _sp_model(fully_shard, MixedPrecisionPolicy(torch.bfloat16, reduce_dtype), mesh)
+    tmodel = _sp_model(torch_fully_shard, TorchMP(torch.bfloat16, reduce_dtype), mesh)
+    dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    for step in range(2):
+        x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(10 * step + dp))
+        mine = x.chunk(2, dim=1)[tp]  # this tp rank's sequence shard
+        for m in (model, tmodel):
+            m(mine).float().pow(2).sum().backward()
+        assert_same_as_torch(model, tmodel, f"step {step}")
+        for m in (model, tmodel):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(0.1 * p.grad)  # type: ignore[operator]
+            m.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32], ids=["default-reduce", "fp32"])
+def test_sequence_parallel_norms_bf16(world4: WorkerPool, reduce_dtype: torch.dtype | None) -> None:
+    """Oracle: compatibility, bitwise with torch's fully_shard on the same model (torchtitan's
+    layout: sequence-parallel norms, colwise/rowwise MLP) in bf16. From torch 2.15 a norm's
+    ``Partial`` tp gradient is made, and all-reduced over tp, in the reduce dtype, where the
+    other gradients stay in bf16 until the copy-in (``may_reduce_grad_outside_dp``)."""
+    world4.run(sequence_parallel_norms, reduce_dtype)
 
 
 def fsdp_tp_state_dict(rank: int, world: int) -> None:

@@ -53,6 +53,9 @@ class FancyHandler:
     def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
+    def may_reduce_grad_outside_dp(self, template: object) -> bool:
+        return False
+
 
 class FancyAllGather:
     handled_type = Fancy

@@ -44,7 +44,13 @@ def _policies(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     ours: dict[str, Any] = {"reshard_after_forward": cfg.get("reshard_after_forward", True)}
     theirs = dict(ours)
     if cfg.get("mp"):
-        mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        # True: bf16 compute, fp32 reduce; "bf16-reduce": fp32 compute, reduced (and, from
+        # torch 2.15, accumulated across microbatches) in bf16
+        mp: dict[str, torch.dtype] = (
+            {"reduce_dtype": torch.bfloat16}
+            if cfg["mp"] == "bf16-reduce"
+            else {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        )
         ours["mp_policy"], theirs["mp_policy"] = (
             MixedPrecisionPolicy(**mp),
             TorchMixedPrecisionPolicy(**mp),
@@ -123,6 +129,8 @@ CASES: list[dict[str, Any]] = [
     {"mode": "all", "offload": True},
     {"mode": "some_blocks", "mp": True},
     {"mode": "all", "mp": True, "keep_unsharded": True},
+    {"mode": "all", "mp": "bf16-reduce"},
+    {"mode": "some_blocks", "mp": "bf16-reduce"},
 ]
 
 

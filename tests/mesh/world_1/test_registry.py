@@ -533,6 +533,9 @@ class _SampleParamHandler:
     def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
+    def may_reduce_grad_outside_dp(self, template: object) -> bool:
+        return False
+
 
 class _SampleAllGather:
     handled_type: type = torch.Tensor

@@ -141,6 +141,16 @@ class DTensorParamHandler:
         )
         return DTensor(local_unsharded, new_spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
+    def may_reduce_grad_outside_dp(self, template: object) -> bool:
+        # A replicated placement's gradient is only known when backward makes it, and may be
+        # Partial (a SequenceParallel norm's), so any such dim counts, as in torch 2.15.
+        tp = _template(template)
+        return any(
+            isinstance(p, Replicate)
+            for i, p in enumerate(tp.spec.placements)
+            if i not in tp.dp_dims
+        )
+
     def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
         tp = _template(template)
         dgrad = _as_dtensor(grad)

@@ -165,6 +165,9 @@ class FSDPParam:
     _sharded_post_forward_data: torch.Tensor | None  # 1D, this rank's 1/k of the padded full
     _handler: ParamHandler  # what is particular to the parameter's kind (_param_handler)
     _template: object  # the handler's memo of the original parameter
+    # The handler's reduce_grad may reduce the gradient over a non-data-parallel dim (a
+    # tensor-parallel Partial): see set_unsharded_grad_dtype.
+    may_reduce_grad_outside_dp: bool
     _all_gather: _AllGatherStrategy  # flat, or the tensor subclass's own (from lazy init)
 
     def __init__(
@@ -229,6 +232,7 @@ class FSDPParam:
             self._handler = self._spmd_types = SpmdTypesHandler(self._handler, info)
         data = self._handler.local_tensor(param)
         self._template = self._handler.template(param, self.mesh_info)
+        self.may_reduce_grad_outside_dp = self._handler.may_reduce_grad_outside_dp(self._template)
         if param.ndim == 0:
             raise ValueError(
                 f"fully_shard does not support 0-dim parameters: '{self.param_fqn}' has shape (). "
@@ -718,31 +722,33 @@ class FSDPParam:
             self._unsharded_param.grad = None
 
     def set_unsharded_grad_dtype(self, sync: bool) -> None:
-        """torch 2.15 (``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE``): the dtype autograd gives this
-        parameter's gradient when it reduces or accumulates in a wider dtype than it computes
-        in. A first gradient of a backward without sync (``sync`` False, nothing accumulated)
-        is made in the wide dtype, so the uses of a parameter used twice (tied) are summed
-        there; with sync, or onto an accumulated gradient, it stays in the compute dtype (the
-        copy-in or the accumulation casts it). Set at every backward's start (pre-backward)."""
-        param, wide = self._unsharded_param, self.reduce_dtype
-        if self.has_grad_dtype_override and self.mp_policy.reduce_dtype is None:
-            # An explicit grad_dtype and no reduce_dtype: autograd makes every gradient in the
-            # explicit dtype, as torch 2.15 does (the uses of a tied weight are cast to it
-            # before they are summed; measured bitwise against torch 2.15). With a
-            # reduce_dtype the rule below applies, explicit dtype or not.
-            if param is not None and param.requires_grad:
-                param.grad_dtype = self.sharded_grad_dtype
+        """torch 2.15 (``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE``): the dtype autograd makes this
+        parameter's unsharded gradient in, set at every backward's start (pre-backward) as
+        torch 2.15 sets it.
+
+        The target is the dtype the gradient is reduced or kept in: the policy's
+        ``reduce_dtype``, else an explicit ``grad_dtype``, else the original dtype. Where it
+        is wider than the compute dtype, a backward with sync, or onto an accumulated
+        gradient, leaves the gradient in the compute dtype (the copy-in or the accumulation
+        casts it); only a first gradient without sync is made wide, so that the uses of a
+        parameter used twice (tied) are summed there. Otherwise every gradient is made in the
+        target: the same dtype, a narrower one (microbatches then accumulate in it), or a
+        gradient that a tensor-parallel reduction sums first (``may_reduce_grad_outside_dp``:
+        that all-reduce runs in the target too)."""
+        param = self._unsharded_param
+        if param is None or not param.requires_grad:
             return
-        if (
-            param is None
-            or not param.requires_grad
-            or wide is None
-            or not wide.is_floating_point
-            or wide.itemsize <= self.unsharded_dtype.itemsize
-        ):
+        target = self.mp_policy.reduce_dtype or (
+            self.sharded_grad_dtype if self.has_grad_dtype_override else self.orig_dtype
+        )
+        compute = self.unsharded_dtype
+        if not (target.is_floating_point and compute.is_floating_point):
+            return
+        if target.itemsize <= compute.itemsize or self.may_reduce_grad_outside_dp:
+            param.grad_dtype = target
             return
         accumulated = param.grad is not None or self.unsharded_accumulated_grad is not None
-        param.grad_dtype = None if sync or accumulated else wide
+        param.grad_dtype = None if sync or accumulated else target
 
     def to_accumulated_grad_if_needed(self) -> None:
         """Keep accumulating in ``reduce_dtype`` rather than the (lower) compute dtype."""

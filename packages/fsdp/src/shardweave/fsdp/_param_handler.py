@@ -94,6 +94,9 @@ class PlainTensorHandler:
     def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
+    def may_reduce_grad_outside_dp(self, template: object) -> bool:
+        return False
+
 
 PLAIN_TENSOR_HANDLER: Final[ParamHandler] = PlainTensorHandler()
 """The one plain handler every plain parameter shares (it holds no state)."""

@@ -131,6 +131,9 @@ class SpmdTypesInfo:
     grad_placements: tuple[Placement, ...]
     restore_type: dict[Any, Any]
     partition_spec: object
+    # A backward type is partial on a non-data-parallel axis: the gradient is reduced there
+    # (``ParamHandler.may_reduce_grad_outside_dp``).
+    partial_outside_dp: bool = False
 
 
 def as_storage_param(
@@ -199,6 +202,9 @@ def as_storage_param(
         grad_placements=grads,
         restore_type={a: local_type.get(a, spmd.R) for a in restore_axes},
         partition_spec=partition_spec,
+        partial_outside_dp=any(
+            g.is_partial() for (name, _), g in zip(axes, grads, strict=True) if name not in dp_names
+        ),
     )
     storage = nn.Parameter(
         DTensor.from_local(param.data, mesh, placements, run_check=False),
@@ -243,6 +249,9 @@ class SpmdTypesHandler:
     def reduce_grad(self, template: object, grad: torch.Tensor) -> torch.Tensor:
         dgrad = DTensor.from_local(grad, self.info.mesh, self.info.grad_placements, run_check=False)
         return self.inner.reduce_grad(template, dgrad)
+
+    def may_reduce_grad_outside_dp(self, template: object) -> bool:
+        return self.info.partial_outside_dp
 
     def restore(self, unsharded: torch.Tensor) -> None:
         """Put the annotation back on the unsharded parameter while type checking is on."""

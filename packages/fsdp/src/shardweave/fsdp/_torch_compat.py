@@ -21,7 +21,10 @@ Rules:
   reduced in the parameter's gradient dtype (its ``grad_dtype``, else its original dtype), no
   longer in ``param_dtype``; a group whose gradients differ in dtype reduces in their promoted
   dtype. Accumulation while gradient sync is off follows the same dtype (a backward's first
-  gradient is made in it, so the uses of a tied weight are summed in it).
+  gradient is made in it, so the uses of a tied weight are summed in it). Under the same rule
+  autograd makes each unsharded gradient in the dtype it is reduced or kept in, unless that is
+  wider than the compute dtype and no tensor-parallel reduction comes first
+  (``FSDPParam.set_unsharded_grad_dtype``).
 * torch 2.15 also honours a ``grad_dtype`` set explicitly on a parameter (before or after
   ``fully_shard``): the gradients are made, reduced (with no ``reduce_dtype``) and kept in it.
   ``has_grad_dtype_override`` reads the flag (``FSDPParam.sharded_grad_dtype``); it is False

@@ -131,6 +131,14 @@ class ParamHandler(Protocol):
         a TP gradient redistributed to the parameter's placements, then its local tensor)."""
         ...
 
+    def may_reduce_grad_outside_dp(self, template: object) -> bool:
+        """Whether ``reduce_grad`` may reduce the gradient over a mesh dim that is not data
+        parallel, in the gradient's own dtype: a replicated tensor-parallel parameter's
+        ``Partial`` gradient (a SequenceParallel norm's) is all-reduced there. From torch 2.15
+        such a gradient is always made in the dtype FSDP reduces in, so that reduction runs
+        in it too."""
+        ...
+
 
 @runtime_checkable
 class AllGatherExtension(Protocol):
