@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardweave.fsdp.plan._model import ROOT_KEY, GroupSpec, PlanError
 from shardweave.fsdp.plan._schedule import Replay, ScheduleResult
+from shardweave.fsdp.plan._sharding import grad_made_in
 
 __all__ = ["FakeStepResult", "SampleInput", "describe_sample", "fake_mode", "run_fake_step"]
 
@@ -249,9 +250,11 @@ def _swap_to_compute_dtype(
     mode: Any,
     param_dtype: torch.dtype | None,
     param_dtypes: Mapping[str, torch.dtype | None],
+    reduce_dtype: torch.dtype | None = None,
 ) -> dict[str, list[nn.Parameter]]:
     """Replace each managed parameter by an unsharded one in its compute dtype (tied
-    parameters stay tied; ``param_dtypes`` overrides ``param_dtype`` per FQN); returns each
+    parameters stay tied; ``param_dtypes`` overrides ``param_dtype`` per FQN), its gradient
+    made in the dtype the engine has autograd make it in (``grad_made_in``); returns each
     group's new parameters."""
     by_fqn = {s.key: {p.fqn for p in s.params} for s in specs}
     new: dict[int, nn.Parameter] = {}
@@ -272,6 +275,12 @@ def _swap_to_compute_dtype(
                         torch.empty(p.shape, dtype=dtype, device=p.device),
                         requires_grad=p.requires_grad,
                     )
+                # An explicit grad_dtype is left out: it makes a group's gradients differ in
+                # dtype, and such a group's copy-in casts each to the reduce dtype first (as
+                # torch's does on CPU), what the fake step's compute-dtype gradients stand for.
+                made_in = grad_made_in(p.dtype, dtype, reduce_dtype)
+                if p.requires_grad and made_in != dtype:
+                    q.grad_dtype = made_in
                 new[id(p)] = q
                 key = owner.get(fqn_of.get(id(p), ""))
                 if key is not None:
@@ -321,12 +330,15 @@ def run_fake_step(
     param_dtype: torch.dtype | None,
     extra_hooks: Callable[[nn.Module], list[Any]] | None = None,
     param_dtypes: Mapping[str, torch.dtype | None] | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> FakeStepResult:
     """One forward and backward of ``model`` (built under ``mode``) on ``sample``.
     ``extra_hooks``: installs more hooks after the engine's (``fit``'s fold markers) and
     returns their handles."""
     started = time.perf_counter()
-    params_of = _swap_to_compute_dtype(model, specs, mode, param_dtype, param_dtypes or {})
+    params_of = _swap_to_compute_dtype(
+        model, specs, mode, param_dtype, param_dtypes or {}, reduce_dtype
+    )
     tracker = _LiveBytes(replay)
     for t in (*model.parameters(), *model.buffers()):
         tracker.know(t)

@@ -83,6 +83,7 @@ from shardweave.fsdp.plan._plan import (
 )
 from shardweave.fsdp.plan._report import format_bytes
 from shardweave.fsdp.plan._schedule import GroupTraffic, Replay
+from shardweave.fsdp.plan._sharding import grad_made_in
 
 __all__ = ["DEVICES", "FitConfig", "FitResult", "Fitted", "fit", "parse_budget"]
 
@@ -438,6 +439,7 @@ def _flops_and_trace(
     wrap: str | None,
     every: int,
     fold: bool = True,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[list[tuple[Any, ...]], float, Fold | None]:
     """One recorded fake step (its events, FLOPs included) for a wrapping, precision and
     checkpointing choice; over a few blocks of a stack of alike blocks when ``fold``
@@ -456,11 +458,13 @@ def _flops_and_trace(
     stack = find_fold(model, period=max(every, 1)) if fold else None
     if stack is not None:
         try:
-            events = _trace(model, mode, specs, stack, traffic, sample, loss_fn, param_dtype)
+            events = _trace(
+                model, mode, specs, stack, traffic, sample, loss_fn, param_dtype, reduce_dtype
+            )
             return events, float(sum(_flops(events))), stack
         except FoldMismatch:
             mode, model, specs = build()  # the cut was made in place: a whole model again
-    events = _trace(model, mode, specs, None, traffic, sample, loss_fn, param_dtype)
+    events = _trace(model, mode, specs, None, traffic, sample, loss_fn, param_dtype, reduce_dtype)
     return events, float(sum(_flops(events))), None
 
 
@@ -473,6 +477,7 @@ def _trace(
     sample: SampleInput,
     loss_fn: Any,
     param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
 ) -> list[tuple[Any, ...]]:
     run_specs = specs
     if stack is not None:
@@ -482,7 +487,17 @@ def _trace(
     markers = (lambda m: install_markers(m, stack, rec)) if stack is not None else None
     try:
         with _FlopCounter(rec):
-            run_fake_step(model, mode, run_specs, rec, sample, loss_fn, param_dtype, markers)
+            run_fake_step(
+                model,
+                mode,
+                run_specs,
+                rec,
+                sample,
+                loss_fn,
+                param_dtype,
+                markers,
+                reduce_dtype=reduce_dtype,
+            )
     except PlanError as exc:
         from torch._subclasses.fake_tensor import (
             DataDependentOutputException,
@@ -502,11 +517,14 @@ def _trace(
         raise
     if stack is None:
         return rec.events
-    return unfold(rec.events, stack, _grad_bytes(specs, stack, param_dtype))
+    return unfold(rec.events, stack, _grad_bytes(specs, stack, param_dtype, reduce_dtype))
 
 
 def _grad_bytes(
-    specs: list[GroupSpec], stack: Fold, param_dtype: torch.dtype | None
+    specs: list[GroupSpec],
+    stack: Fold,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
 ) -> Callable[[str], tuple[int, int]]:
     """For ``_fold.unfold``: a group's gradient bytes in one block of the stack (the blocks
     are alike: the first), and in everything the cut model kept."""
@@ -518,7 +536,8 @@ def _grad_bytes(
 
     def nbytes(p: Any) -> int:
         dtype = param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
-        return int(math.prod(p.shape)) * int(dtype.itemsize)
+        made_in = grad_made_in(p.dtype, dtype, reduce_dtype)  # as the fake step (_activations)
+        return int(math.prod(p.shape)) * int(made_in.itemsize)
 
     def grad_bytes(key: str) -> tuple[int, int]:
         spec = by_key.get(key)
@@ -746,6 +765,7 @@ def fit(
                 w,
                 every,
                 fold,
+                mp.reduce_dtype,
             )
             fake_steps += 1
             if folded_stack is not None:

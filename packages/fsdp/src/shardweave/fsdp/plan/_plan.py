@@ -34,7 +34,7 @@ from shardweave.fsdp.plan._model import (
 from shardweave.fsdp.plan._report import suggestions as make_suggestions
 from shardweave.fsdp.plan._result import ActivationPlan, GroupPlan, ParamPlan, Plan
 from shardweave.fsdp.plan._schedule import GroupTraffic, Replay, simulate_step
-from shardweave.fsdp.plan._sharding import layout, reduce_dtype, unsharded_dtype
+from shardweave.fsdp.plan._sharding import grad_made_in, layout, reduce_dtype, unsharded_dtype
 
 __all__ = ["plan"]
 
@@ -384,6 +384,7 @@ def plan(
             loss_fn,
             mp.param_dtype,
             param_dtypes=param_dtypes,
+            reduce_dtype=mp.reduce_dtype,
         )
         fs = fake.schedule
         phase, group, event = fs.peak_moment
@@ -530,9 +531,7 @@ def _group_plan(
             size = orig if states == 2 else gd.itemsize
             opt += states * lay.rank0_numel * size + (4 if states == 2 else 0)
             opt_last += states * lay.last_numel * size + (4 if states == 2 else 0)
-            # An explicit grad_dtype and no reduce_dtype: autograd makes them in it.
-            made_in = p.grad_dtype if p.grad_dtype and mp.reduce_dtype is None else ud
-            ugrad += lay.numel * made_in.itemsize
+            ugrad += lay.numel * grad_made_in(p.dtype, ud, mp.reduce_dtype, p.grad_dtype).itemsize
             rs += world * lay.padded_shard_numel * rd.itemsize
             ar += lay.padded_shard_numel * rd.itemsize
             if rd.itemsize < 4:
