@@ -12,11 +12,14 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import (
     FSDPModule,
+    MixedPrecisionPolicy,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -267,6 +270,50 @@ def exception_recovery(rank: int, world: int, where: str) -> None:
 def test_exception_then_reset_iter_state(world2: WorkerPool, where: str) -> None:
     """Oracle: reference that skipped the failed step; training continues exactly."""
     world2.run(exception_recovery, where)
+
+
+def reset_iter_state_drops_grads(rank: int, world: int) -> None:
+    model = make_model("gpt")
+    tmodel = copy.deepcopy(model)
+    shard_blocks(model, fully_shard)
+    shard_blocks(tmodel, torch_fully_shard)
+    batch = make_batch("gpt", rank)
+    for m in (model, tmodel):
+        loss_fn("gpt", m(batch), batch).backward()
+        m.reset_iter_state()  # type: ignore[operator]
+    kept = [(n, p.grad is not None) for n, p in model.named_parameters()]
+    assert kept == [(n, p.grad is not None) for n, p in tmodel.named_parameters()], kept
+    assert_same_as_torch(model, tmodel, "after reset_iter_state")
+
+
+def test_reset_iter_state_keeps_or_drops_grads_as_torch(world2: WorkerPool) -> None:
+    """Oracle: compatibility: torch 2.15's reset_iter_state also drops the sharded gradients
+    (the same on every release that has it, checked against that release's engine)."""
+    if not hasattr(TorchFSDPModule, "reset_iter_state"):
+        pytest.skip("torch's FSDPModule has no reset_iter_state on this release")
+    world2.run(reset_iter_state_drops_grads)
+
+
+def inference_first(rank: int, world: int, mp: bool) -> None:
+    model = make_model("gpt")
+    tmodel = copy.deepcopy(model)
+    kwargs = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16)} if mp else {}
+    tkwargs = {"mp_policy": TorchMixedPrecisionPolicy(torch.bfloat16)} if mp else {}
+    shard_blocks(model, fully_shard, **kwargs)
+    shard_blocks(tmodel, torch_fully_shard, **tkwargs)
+    for seed in (rank, 10 + rank):  # the first forward allocates the buffers, the next reuses
+        batch = make_batch("gpt", seed)
+        with torch.inference_mode():
+            out, tout = model(batch), tmodel(batch)
+        assert torch.equal(out, tout), f"seed {seed}"
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
+def test_first_forward_under_inference_mode(world2: WorkerPool, mp: bool) -> None:
+    """Oracle: compatibility: a model whose first forward runs under torch.inference_mode()
+    (an evaluation before any training) gives torch's outputs, bitwise; the gathered buffers
+    made there have no version counter to preserve (it raised before)."""
+    world2.run(inference_first, mp)
 
 
 def reset_iter_state_non_root(rank: int, world: int) -> None:

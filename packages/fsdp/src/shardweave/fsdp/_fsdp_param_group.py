@@ -61,7 +61,10 @@ from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
 from shardweave.fsdp._seam import InFlight, issue
 from shardweave.fsdp._sharding_rules import group_reduce_dtype
 from shardweave.fsdp._spmd_types import outside_typecheck, register_local_function
-from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
+from shardweave.fsdp._torch_compat import (
+    REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE,
+    RESET_ITER_STATE_DROPS_SHARDED_GRADS,
+)
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
@@ -604,13 +607,16 @@ class FSDPParamGroup:
             # counter, or autograd would reject the parameters it saved in forward. What
             # torch.no_grad() and _unsafe_preserve_version_counter(outs) do, without building
             # the two context managers on every unshard.
-            versions = tuple(t._version for t in outs)
+            # Buffers first allocated under inference_mode have no version counter (nor
+            # does autograd save them): nothing to preserve, as in torch's FSDP2.
+            versions = _versions(outs)
             grad_enabled = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
             try:
                 all_gather_copy_out(result, self.fsdp_params, outputs, outs, self._copy_out_views)
             finally:
-                torch._C._autograd._unsafe_set_version_counter(outs, versions)
+                if versions is not None:
+                    torch._C._autograd._unsafe_set_version_counter(outs, versions)
                 torch._C._set_grad_enabled(grad_enabled)
             copy_out_event = current.record_event()
             # Point 3: the all-gather streams must not reuse these buffers before the copy-out.
@@ -839,6 +845,8 @@ class FSDPParamGroup:
             p.unsharded_accumulated_grad = None
             if p.has_unsharded_param:
                 p.unsharded_param.grad = None
+            if RESET_ITER_STATE_DROPS_SHARDED_GRADS:
+                p.sharded_param.grad = None
         self._training_state = TrainingState.IDLE
         self._to_sharded()
 
@@ -987,3 +995,14 @@ def param_module_infos(
     if missing:
         raise AssertionError(f"{len(missing)} parameters are not in the module tree of {modules}")
     return [infos[p] for p in params]
+
+
+def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...] | None:
+    """Each tensor's version counter, or None when one is an inference tensor (which has none:
+    reading it raises, so the common case pays no per-tensor check)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:
+        if any(t.is_inference() for t in tensors):
+            return None
+        raise

@@ -12,6 +12,7 @@ decides whether a parameter has one. Everything the protocol keeps between calls
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -150,8 +151,14 @@ class SubclassAllGather:
         else:
             for t in state.inner:
                 alloc_storage(t)
-            # Refill in place: the parameter autograd saved must keep its version.
-            with torch.autograd.grad_mode._unsafe_preserve_version_counter(current):
+            # Refill in place: the parameter autograd saved must keep its version (an inference
+            # tensor has none, and autograd never saved it).
+            keep = (
+                contextlib.nullcontext()
+                if current.is_inference()
+                else torch.autograd.grad_mode._unsafe_preserve_version_counter(current)
+            )
+            with keep:
                 state.post(outs, state.metadata, dtype, out=current)
         state.metadata = None
         self.release_outputs_after_post()

@@ -30,6 +30,10 @@ Rules:
   ``has_grad_dtype_override`` reads the flag (``FSDPParam.sharded_grad_dtype``); it is False
   before 2.15, where parameters have no such flag.
 
+* ``RESET_ITER_STATE_DROPS_SHARDED_GRADS`` (torch 2.15): ``reset_iter_state`` clears every
+  sharded gradient too, so a failed step leaves none of its groups' reduced gradients behind;
+  before 2.15 they stay (``FSDPParamGroup.reset_iter_state``).
+
 * ``SPMD_TYPES_PARAMS`` (torch 2.14): with ``dp_mesh_dims``, a plain parameter annotated by the
   ``spmd_types`` package is accepted (stored as a DTensor on the SPMD mesh, computed on as a
   plain tensor) instead of rejected for not being a DTensor; torchtitan 0.3.0's default
@@ -48,6 +52,7 @@ import torch.distributed as dist
 
 __all__ = [
     "REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE",
+    "RESET_ITER_STATE_DROPS_SHARDED_GRADS",
     "SPMD_TYPES_PARAMS",
     "STATE_EXPOSES_ONE_GROUP",
     "TORCH_RELEASE",
@@ -74,6 +79,9 @@ STATE_EXPOSES_ONE_GROUP: bool = TORCH_RELEASE < (2, 13)
 
 # torch 2.15: ``reduce_dtype=None`` reduces in the gradient's dtype, not in ``param_dtype``.
 REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE: bool = TORCH_RELEASE >= (2, 15)
+
+# torch 2.15: reset_iter_state also drops the sharded gradients (a failed step's partial ones).
+RESET_ITER_STATE_DROPS_SHARDED_GRADS: bool = TORCH_RELEASE >= (2, 15)
 
 # torch 2.14: dp_mesh_dims accepts plain parameters annotated by spmd_types (torchtitan's default).
 SPMD_TYPES_PARAMS: bool = TORCH_RELEASE >= (2, 14)
