@@ -393,3 +393,23 @@ def test_explicit_grad_dtype_matches_torch(
     and accumulating microbatches without sync; and the gradients hold as many bytes as
     torch's (a mixed group's fp32 gradients do not keep its whole reduced output alive)."""
     world2.run(explicit_grad_dtype, case, microbatches)
+
+
+def explicit_none_grad_dtype(rank: int, world: int) -> None:
+    model = make_model("gpt")
+    model.layers[0].fc1.weight.grad_dtype = None  # type: ignore[index, union-attr]
+    with pytest.raises(
+        NotImplementedError, match=r"'Linear\.weight' has an explicit grad_dtype=None"
+    ):
+        _shard(model, fully_shard, MixedPrecisionPolicy(torch.bfloat16))
+
+
+@pytest.mark.skipif(
+    not TORCH_HAS_EXPLICIT_GRAD_DTYPE,
+    reason="parameters have no explicit-grad_dtype flag before torch 2.15",
+)
+def test_explicit_none_grad_dtype_is_a_clear_error(world2: WorkerPool) -> None:
+    """Oracle: closed form: not supported yet, so refused at fully_shard on every rank, the
+    parameter named as fully_shard knows it then (it failed with an AttributeError at the
+    first backward)."""
+    world2.run(explicit_none_grad_dtype)

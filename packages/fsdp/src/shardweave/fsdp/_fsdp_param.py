@@ -313,6 +313,12 @@ class FSDPParam:
         before). Only an explicit setting counts: a parameter rebuilt by ``.to()`` or
         ``load_state_dict(assign=True)`` has lost it, and keeps the one captured before."""
         if has_grad_dtype_override(param):
+            if param.grad_dtype is None:
+                raise NotImplementedError(
+                    f"fully_shard: '{self.param_fqn}' has an explicit grad_dtype=None (torch "
+                    "2.15: gradients kept in whatever dtype they are computed in), which "
+                    "shardweave does not support yet; leave grad_dtype unset or set a dtype"
+                )
             self.has_grad_dtype_override = True
             self.sharded_grad_dtype = cast(torch.dtype, param.grad_dtype)
 
