@@ -189,6 +189,10 @@ class FSDPParamGroup:
         self._all_gather_result: AllGatherResult | None = None
         self._copy_out_views = CopyOutViews()
         self._partial_reduce_output: torch.Tensor | None = None
+        # Which parameters (in order) the pending partial holds, and the reduction about to
+        # make one: the next reduction must lay out the same ones (_check_partial_layout).
+        self._partial_layout: tuple[FSDPParam, ...] = ()
+        self._reducing_layout: tuple[FSDPParam, ...] = ()
         # Manual finalization: this group's reduction waits for finalize_backward, either
         # because its post-backward ran without gradient sync or because the end of backward
         # deferred it (see FSDPState, Design note: manual finalization).
@@ -740,6 +744,7 @@ class FSDPParamGroup:
                 grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
+        self._check_partial_layout(with_grad)
         if not with_grad:
             return
         # A group whose params were all frozen at lazy init has no recorded dtype; if the user
@@ -784,6 +789,28 @@ class FSDPParamGroup:
 
     def _set_partial_reduce_output(self, partial: torch.Tensor | None) -> None:
         self._partial_reduce_output = partial
+        self._partial_layout = self._reducing_layout if partial is not None else ()
+
+    def _check_partial_layout(self, with_grad: list[FSDPParam]) -> None:
+        """A partial sum kept by ``set_requires_all_reduce(False)`` is added slot by slot to
+        the next reduction's output: the parameters with gradients must be the same ones, else
+        it would land on other parameters (or, the sizes differing, fail deep in an add).
+        torch 2.15 zero-fills the missing ones and rebuilds the partial; until we do, this is
+        a clear error, never a silent misassignment."""
+        layout = tuple(with_grad)
+        self._reducing_layout = layout
+        if self._partial_reduce_output is None or layout == self._partial_layout:
+            return
+        before = {p.param_fqn for p in self._partial_layout}
+        now = {p.param_fqn for p in layout}
+        raise RuntimeError(
+            f"FSDP group '{self._fqn}': the parameters with gradients changed between "
+            "microbatches accumulated with set_requires_all_reduce(False) (only in the pending "
+            f"partial: {sorted(before - now) or 'none'}; only now: {sorted(now - before) or 'none'}"
+            "), so the pending partial reduction cannot be matched to them. Call "
+            "set_reduce_scatter_unused_params(True) so that every parameter has a gradient in "
+            "every microbatch (torch 2.15 zero-fills the missing ones; shardweave does not yet)."
+        )
 
     def _aliases_shards(self) -> bool:
         """Whether unsharding can view the shards in place: one rank per shard, one flat
@@ -838,6 +865,7 @@ class FSDPParamGroup:
             _trace.ACTIVE.discard_unshard(self.trace_key)
         self._all_gather_result = None
         self._partial_reduce_output = None
+        self._partial_layout = ()
         self._post_backward_pending = False
         self._reshard_after_forward_event = None
         self._post_forward_indices.clear()
