@@ -94,7 +94,7 @@ def _sp_model(api: object, policy: object, mesh: DeviceMesh) -> nn.Module:
     model = nn.Sequential(SPBlock(), SPBlock())
     plan = {
         "norm": SequenceParallel(),
-        "mlp.in_proj": ColwiseParallel(),
+        "mlp.in_proj": ColwiseParallel(input_layouts=Shard(1)),  # gathers the sequence
         "mlp.out_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
     for block in model:

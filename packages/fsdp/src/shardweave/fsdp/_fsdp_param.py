@@ -320,7 +320,7 @@ class FSDPParam:
                     "shardweave does not support yet; leave grad_dtype unset or set a dtype"
                 )
             self.has_grad_dtype_override = True
-            self.sharded_grad_dtype = cast(torch.dtype, param.grad_dtype)
+            self.sharded_grad_dtype = param.grad_dtype
 
     def _apply_grad_dtype(self, sharded: nn.Parameter) -> None:
         """The sharded parameter accepts gradients of the explicit dtype (autograd checks a
