@@ -69,6 +69,17 @@ def assert_same_as_torch(model: nn.Module, torch_model: nn.Module, tag: str = ""
             )
 
 
+def sgd_step(*models: nn.Module, lr: float = 0.1) -> None:
+    """A plain SGD step on each model's parameters that have a gradient, which is then dropped
+    (the same update on ours, torch's and a reference)."""
+    with torch.no_grad():
+        for m in models:
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.sub_(lr * p.grad)
+                    p.grad = None
+
+
 def train_both_as_torch(
     model: nn.Module, torch_model: nn.Module, kind: str, rank: int, steps: int
 ) -> None:

@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
 from tests._dist import WorkerPool, assert_close
 from tests.extensions._tp_models import MLP, Stack, build_tp_stack
-from tests.fsdp._oracle import assert_same_as_torch
+from tests.fsdp._oracle import assert_same_as_torch, sgd_step
 
 
 def fsdp_tp_parity(rank: int, world: int, use_mp: bool) -> None:
@@ -59,11 +59,7 @@ def fsdp_tp_parity(rank: int, world: int, use_mp: bool) -> None:
         if not use_mp:
             for (name, p), rp in zip(model.named_parameters(), ref.parameters(), strict=True):
                 assert_close(p.grad.full_tensor(), rp.grad, msg=name)  # type: ignore[union-attr, arg-type]
-        for m in (model, tmodel, ref):
-            with torch.no_grad():
-                for p in m.parameters():
-                    p.sub_(0.1 * p.grad)  # type: ignore[operator]
-            m.zero_grad(set_to_none=True)
+        sgd_step(model, tmodel, ref)
         if not use_mp:
             for (name, p), rp in zip(model.named_parameters(), ref.parameters(), strict=True):
                 assert_close(p.full_tensor(), rp, msg=name)  # type: ignore[attr-defined]
@@ -117,11 +113,7 @@ def sequence_parallel_norms(rank: int, world: int, reduce_dtype: torch.dtype | N
         for m in (model, tmodel):
             m(mine).float().pow(2).sum().backward()
         assert_same_as_torch(model, tmodel, f"step {step}")
-        for m in (model, tmodel):
-            with torch.no_grad():
-                for p in m.parameters():
-                    p.sub_(0.1 * p.grad)  # type: ignore[operator]
-            m.zero_grad(set_to_none=True)
+        sgd_step(model, tmodel)
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, torch.float32], ids=["default-reduce", "fp32"])

@@ -27,7 +27,12 @@ from shardweave.fsdp import (
 from tests._dist import WorkerPool, assert_close
 from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model, shard_blocks
-from tests.fsdp._oracle import assert_matches_reference, assert_same_as_torch, local_chunk
+from tests.fsdp._oracle import (
+    assert_matches_reference,
+    assert_same_as_torch,
+    local_chunk,
+    sgd_step,
+)
 
 
 def _step_both(
@@ -36,15 +41,6 @@ def _step_both(
     batches = [make_batch(kind, 1000 * step + r) for r in range(world)]
     loss_fn(kind, model(batches[rank]), batches[rank]).backward()
     (sum(loss_fn(kind, ref(b), b) for b in batches) / world).backward()  # type: ignore[union-attr]
-
-
-def _sgd_step(*models: nn.Module) -> None:
-    with torch.no_grad():
-        for m in models:
-            for p in m.parameters():
-                if p.grad is not None:
-                    p.sub_(0.1 * p.grad)
-                    p.grad = None
 
 
 # --- explicit prefetch and async unshard ------------------------------------------------------
@@ -65,7 +61,7 @@ def explicit_prefetch_and_async_unshard(rank: int, world: int) -> None:
             assert not isinstance(model.tok.weight, DTensor), "root should be unsharded"  # type: ignore[union-attr]
         _step_both(model, ref, "gpt", step, rank, world)
         assert_matches_reference(model, ref, "grad", rank, world, f"step {step}")
-        _sgd_step(model, ref)
+        sgd_step(model, ref)
         assert_matches_reference(model, ref, "param", rank, world, f"step {step}")
 
 
@@ -174,7 +170,7 @@ def meta_init(rank: int, world: int) -> None:
     for step in range(2):
         _step_both(model, ref, "gpt", step, rank, world)
         assert_matches_reference(model, ref, "grad", rank, world, f"step {step}")
-        _sgd_step(model, ref)
+        sgd_step(model, ref)
         assert_matches_reference(model, ref, "param", rank, world, f"step {step}")
 
 
@@ -244,7 +240,7 @@ def exception_recovery(rank: int, world: int, where: str) -> None:
     model.layers[1].register_forward_pre_hook(lambda m, a: flaky(a[0]))  # type: ignore[index, union-attr]
     shard_blocks(model, fully_shard)
     _step_both(model, ref, "gpt", 0, rank, world)
-    _sgd_step(model, ref)
+    sgd_step(model, ref)
     batch = make_batch("gpt", 99)
     if where == "forward":
         flaky.fail = True
@@ -263,7 +259,7 @@ def exception_recovery(rank: int, world: int, where: str) -> None:
     for step in (1, 2):
         _step_both(model, ref, "gpt", step, rank, world)
         assert_matches_reference(model, ref, "grad", rank, world, f"after {where} failure")
-        _sgd_step(model, ref)
+        sgd_step(model, ref)
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
