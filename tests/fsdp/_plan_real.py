@@ -381,7 +381,11 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         groups = [
             g for m in model.modules() if (s := get_fsdp_state(m)) for g in s._fsdp_param_groups
         ]
-        sharded = sum(g._flat_sharded.numel() * g._flat_sharded.element_size() for g in groups)
+        sharded = sum(
+            p.sharded_param_data.numel() * p.sharded_param_data.element_size()
+            for g in groups
+            for p in g.fsdp_params
+        )
         grads = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
         opt_bytes = sum(
             v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes

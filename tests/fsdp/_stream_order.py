@@ -47,18 +47,19 @@ WAIT_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
         ("c10d::_reduce_scatter_base_", "aten::_chunk_cat"),
     ),
     # Point 1: the root's pre-forward makes the all-gather streams wait for the optimizer step,
-    # which wrote the shards on the compute stream. Without it step 2 gathers stale shards.
+    # which wrote the shards on the compute stream. Without it step 2 copies in stale shards.
     "all-gather-waits-for-optimizer": (
         {},
         "FSDPState._root_pre_forward",
-        ("c10d::_allgather_base_", "aten::add_"),
+        ("aten::_foreach_copy_", "aten::add_"),
     ),
-    # Point 2 again: the all-gather stream waits for the copy-in stream, which casts the shards
-    # to bf16 under mixed precision. Without it the all-gather sends a half-cast input.
+    # Point 2 again: the all-gather stream waits for the copy-in stream, which copies the shards
+    # into the output's slot (casting them to bf16 under mixed precision). Without it the
+    # all-gather sends a half-written input.
     "all-gather-waits-for-copy-in": (
         {"mp": True},
         "FSDPParamGroup.unshard",
-        ("c10d::_allgather_base_", "aten::copy_"),
+        ("c10d::_allgather_base_", "aten::_foreach_copy_"),
     ),
     # Point 7: at the end of backward the compute stream waits for every post-reduce event.
     # With a bf16 reduction the fp32 gradients are cast on the reduce-scatter stream after the
@@ -105,11 +106,12 @@ KEEP_ALIVE_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
         ("unsafe reuse", "c10d::allreduce_"),
     ),
     # Keep-alive of the forward all-gather output (point 3): released when the all-gather
-    # streams waited for the copy-out.
+    # streams waited for the copy-out. The output is the copy-in stream's block (the copy-in
+    # writes this rank's slot), so its early reuse races with the all-gather writing it.
     "keep-all-gather-output": (
         {},
         "FSDPCommContext.wait_for_previous_all_gather",
-        ("aten::split_with_sizes_copy",),
+        ("unsafe reuse", "c10d::_allgather_base_"),
     ),
 }
 

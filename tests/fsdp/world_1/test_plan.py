@@ -2,7 +2,7 @@
 
 Oracles: *closed form* (small models whose padding, bytes and schedule are computed by hand
 here) and, for sharded sizes, the real engine: ``fully_shard`` on 2 gloo ranks, comparing what
-each rank actually allocates (flat shard buffers, all-gather outputs, sharded gradients,
+each rank actually allocates (shard storages, all-gather outputs, sharded gradients,
 AdamW state) with the plan. No process group is needed for the planner itself.
 """
 
@@ -420,11 +420,11 @@ def engine_bytes(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         for g in groups.values()
         for p in g.fsdp_params
     )
-    flat = sum(
-        g._flat_sharded.untyped_storage().nbytes()
-        for g in groups.values()
-        if g._flat_sharded is not None
-    )
+    # What the registered parameters' storages hold (each shard is its own allocation).
+    param_storages = {
+        _local(q).untyped_storage().data_ptr(): _local(q).untyped_storage().nbytes()
+        for q in model.parameters()
+    }
     storages = {}
     for param in model.parameters():
         if param.grad is not None:
@@ -449,7 +449,7 @@ def engine_bytes(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         m.reshard()  # type: ignore[operator]
     return {
         "sharded": sharded,
-        "flat": flat,
+        "storage": sum(param_storages.values()),
         "grads": sum(storages.values()),
         "opt": opt_bytes,
         "gathered": gathered,
@@ -482,7 +482,7 @@ def test_matches_engine_allocations(world2: WorkerPool, cfg: dict[str, Any]) -> 
     p: Plan = plan(factory, mesh=2, wrap=wrap, mp_policy=mp, optimizer="adamw")
     for rank, got in enumerate(results):
         assert isinstance(got, dict)
-        assert got["sharded"] == p.sharded_param_bytes == got["flat"]
+        assert got["sharded"] == p.sharded_param_bytes == got["storage"]
         assert got["grads"] == p.grad_bytes
         row = "rank0" if rank == 0 else "last_shard_rank"
         assert got["opt"] == p.ranks[row]["optimizer_state_bytes"]

@@ -39,7 +39,7 @@ CONFIGS_4: list[dict[str, Any]] = [
 
 
 def _held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Bytes this rank holds between steps: flat shard buffers, sharded grads, optimizer state
+    """Bytes this rank holds between steps: padded shards, sharded grads, optimizer state
     (Adam's per-parameter ``step`` scalars excluded, as the planner documents)."""
     total = 0
     seen: set[int] = set()
@@ -48,10 +48,9 @@ def _held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
         if state is None:
             continue
         for group in state._fsdp_param_groups:
-            flat = group._flat_sharded
-            assert flat is not None
-            total += flat.numel() * flat.element_size()
             for p in group.fsdp_params:
+                data = p.sharded_param_data
+                total += data.numel() * data.element_size()
                 grad = p.sharded_param.grad
                 if grad is not None:
                     local = grad.to_local()  # type: ignore[attr-defined]

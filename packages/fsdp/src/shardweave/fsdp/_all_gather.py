@@ -6,63 +6,93 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from shardweave.fsdp._fsdp_param import FSDPParam
 from shardweave.fsdp._seam import InFlight
 
-__all__ = ["AllGatherResult", "CopyOutViews", "all_gather_copy_in", "all_gather_copy_out"]
+__all__ = [
+    "AllGatherResult",
+    "CopyIn",
+    "CopyOutViews",
+    "all_gather_copy_in",
+    "all_gather_copy_out",
+    "copy_in_dtype",
+]
 
 
 @dataclass
 class AllGatherResult:
     """An issued all-gather whose copy-out has not run yet."""
 
-    output: torch.Tensor  # 1D, world_size * input numel, rank-major
+    # 1D, world_size * input numel, rank-major; None when nothing was gathered or staged (one
+    # rank per shard): then the copy-out reads ``sources``.
+    output: torch.Tensor | None
     in_flight: InFlight | None  # None when nothing was gathered (one rank per shard)
     world_size: int
     split_sizes: list[int]  # each param's numel per rank, in units of ``output``'s dtype
     as_bytes: bool  # output is uint8 because the inputs' dtypes differed
     post_forward: bool  # gathered from the post-forward shards (already in final layout)
-    # The all-gather input when it is neither the sharded storage itself nor a slot of the
-    # output (a single cast input, a copy to the device with one rank per shard): read on
-    # another stream than its own, so kept as long as the output.
+    # The all-gather input when it is neither a shard itself nor a slot of the output (one
+    # parameter's cast): read on another stream than its own, so kept as long as the output.
     input: torch.Tensor | None = None
+    # One rank per shard, shards on the device: each parameter's own shard, which the
+    # copy-out copies (and casts) straight into its unsharded storage.
+    sources: list[torch.Tensor] | None = None
+
+
+class CopyIn(NamedTuple):
+    """What ``all_gather_copy_in`` built: the 1D input, each parameter's numel in it (in the
+    input's dtype), whether it is a byte view, and the dtype the parameters are gathered in."""
+
+    input: torch.Tensor
+    split_sizes: list[int]
+    as_bytes: bool
+    gathered_dtype: torch.dtype
+
+
+def copy_in_dtype(fsdp_params: Sequence[FSDPParam]) -> torch.dtype | None:
+    """The one dtype every parameter is gathered in, when each contributes its own padded
+    shard (the one-op copy-in applies); None otherwise."""
+    dtypes = {p.unsharded_dtype for p in fsdp_params}
+    if len(dtypes) != 1 or not all(p.gathers_padded_shard for p in fsdp_params):
+        return None
+    return next(iter(dtypes))
 
 
 def all_gather_copy_in(
     fsdp_params: Sequence[FSDPParam],
-    flat_sharded: torch.Tensor | None,
-    param_dtype: torch.dtype | None,
     device: torch.device,
-    post_forward: bool,
     into: Callable[[int, torch.dtype], torch.Tensor] | None,
-) -> tuple[torch.Tensor, list[int], bool]:
-    """The 1D all-gather input, each param's numel in it, and whether it is a byte view.
+) -> CopyIn:
+    """Build this rank's 1D all-gather input.
 
-    With the group's flat sharded storage (see Design note: flat storage in
-    ``_fsdp_param_group``) the input *is* the storage: no per-parameter copy. An input that
-    must be built (a cast, a copy to the device, a concatenation) is written by one op into
-    ``into(numel, dtype)``, this rank's slot of the all-gather output, as torch's FSDP2 does:
-    no buffer beside the output. ``into`` is None when nothing is gathered (one rank per
-    shard): then the flat storage is not cast here, as the copy-out casts while it copies
-    (one buffer fewer for the whole group, the bench's world-1 peak).
+    When every parameter contributes its own padded shard in one dtype (the common case), the
+    shards are copied by one op into ``into(numel, dtype)``, this rank's slot of the
+    all-gather output, casting and moving to the device as they are copied, as torch's FSDP2
+    copies them in (it casts each shard first). A group of one parameter already on the
+    device in its dtype is gathered from its shard itself, with no copy. ``into`` is None when
+    nothing is gathered (one rank per shard, here only for shards off the device or of a kind
+    with its own all-gather): the shards are then staged uncast, as the copy-out casts while
+    it copies (one buffer fewer for the whole group, the bench's world-1 peak).
     """
-    if flat_sharded is not None and not post_forward:
-        data = flat_sharded
-        sizes = [p.padded_sharded_numel for p in fsdp_params]
-        dtype = param_dtype if param_dtype is not None and into is not None else data.dtype
-        if data.device == device and data.dtype == dtype:
-            return data, sizes, False
+    dtype = copy_in_dtype(fsdp_params)
+    if dtype is not None:
+        sources = [p.all_gather_source() for p in fsdp_params]
+        sizes = [t.numel() for t in sources]
+        first = sources[0]
+        if len(sources) == 1 and first.device == device and first.dtype == dtype:
+            return CopyIn(first, sizes, False, dtype)
         if into is None:
-            return data.to(device, non_blocking=True), sizes, False
-        if data.device != device and data.dtype != dtype:
-            # Cast on the device: a host-side cast of the whole shard would stall the host.
-            data = data.to(device, non_blocking=True)
-        slot = into(data.numel(), dtype)
-        slot.copy_(data, non_blocking=True)
-        return slot, sizes, False
+            staged = torch.empty(sum(sizes), dtype=first.dtype, device=device)
+        else:
+            staged = into(sum(sizes), dtype)
+        torch._foreach_copy_(
+            list(torch.split_with_sizes(staged, sizes)), sources, non_blocking=True
+        )
+        return CopyIn(staged, sizes, False, dtype)
     inputs = [t for p in fsdp_params for t in p.all_gather_inputs()]
     dtypes = {t.dtype for t in inputs}
     as_bytes = len(dtypes) > 1
@@ -70,13 +100,14 @@ def all_gather_copy_in(
         # Mixed dtypes (e.g. frozen bf16 beside fp32) travel as one byte buffer.
         inputs = [t.contiguous().view(torch.uint8) for t in inputs]
     sizes = [t.numel() for t in inputs]
+    gathered = torch.uint8 if as_bytes else inputs[0].dtype
     if len(inputs) == 1:
-        return inputs[0], sizes, as_bytes
+        return CopyIn(inputs[0], sizes, as_bytes, gathered)
     if into is None:
-        return torch.cat(inputs), sizes, as_bytes
+        return CopyIn(torch.cat(inputs), sizes, as_bytes, gathered)
     slot = into(sum(sizes), inputs[0].dtype)
     torch.cat(inputs, out=slot)
-    return slot, sizes, as_bytes
+    return CopyIn(slot, sizes, as_bytes, gathered)
 
 
 class CopyOutViews:
@@ -133,13 +164,19 @@ def all_gather_copy_out(
             views.key, views.targets, views.views = None, (), []
         else:
             views.key, views.targets, views.views = key, flat_outputs, outs
-    gathered = result.output.view(world, -1)
-    if len(outs) == 1:
-        outs[0].copy_(gathered)
-    elif gathered.dtype != outs[0].dtype:  # one rank per shard: the copy-out casts
-        torch._foreach_copy_(outs, torch.split_with_sizes(gathered, result.split_sizes, dim=1))
+    if result.output is None:
+        # One rank per shard, nothing staged: straight from each shard, cast as it is copied.
+        assert result.sources is not None
+        torch._foreach_copy_(outs, [source.view(1, -1) for source in result.sources])
     else:
-        torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outs)
+        gathered = result.output.view(world, -1)
+        if len(outs) == 1:
+            outs[0].copy_(gathered)
+        elif gathered.dtype != outs[0].dtype:  # one rank per shard: the copy-out casts
+            splits = torch.split_with_sizes(gathered, result.split_sizes, dim=1)
+            torch._foreach_copy_(outs, splits)
+        else:
+            torch.split_with_sizes_copy(gathered, result.split_sizes, dim=1, out=outs)
     for fsdp_param, scratch in fixups:
         shards = scratch.view(world * fsdp_param.padded_sharded_size[0], -1)
         pieces = [c.view(fsdp_param.padded_sharded_size) for c in torch.chunk(shards, world, dim=0)]

@@ -79,7 +79,7 @@ def _setattr_on_module(module: nn.Module, name: str, param: nn.Parameter) -> Non
 class _AllGatherStrategy(Protocol):
     """How one parameter travels through its group's all-gather and comes back unsharded."""
 
-    is_extension: bool  # inputs of its own making (the group's flat fast path does not apply)
+    is_extension: bool  # inputs of its own making (the group's one-op copy-in does not apply)
 
     def inputs(self, param: FSDPParam) -> list[torch.Tensor]: ...
 
@@ -364,7 +364,7 @@ class FSDPParam:
     def unsharded_dtype(self) -> torch.dtype:
         return self.param_dtype or self.orig_dtype
 
-    # --- flat storage -------------------------------------------------------------------------
+    # --- sharded storage ----------------------------------------------------------------------
     @property
     def sharded_param_data(self) -> torch.Tensor:
         """1D, padded: this rank's shard plus zero padding (the owner's when tied)."""
@@ -412,15 +412,6 @@ class FSDPParam:
         self.sharded_param = shared
         self._sharding_spec = shared._spec
         self._setattr_on_modules(shared)
-
-    def rebind_sharded_storage(self, flat_slice: torch.Tensor) -> None:
-        """Move this shard into ``flat_slice`` (a view of the group's flat buffer) and make the
-        registered DTensor's local tensor a view of it, so the all-gather can read the group's
-        shards with no copy-in."""
-        flat_slice.copy_(self._sharded_param_data)
-        self._sharded_param_data = flat_slice
-        self._drop_alias()
-        self._install_local(self._local_view(flat_slice))
 
     def _install_local(self, local: torch.Tensor) -> None:
         """Make ``local`` the sharded parameter's local tensor, remembering it: for a wrapper
@@ -506,10 +497,10 @@ class FSDPParam:
         self._all_gather = found or _FLAT_ALL_GATHER
 
     @property
-    def gathers_flat_shard(self) -> bool:
-        """Whether this parameter's all-gather input is its own flat shard (cast at most), so
-        a group may gather a flat buffer of such parameters in one cast; a parameter whose
-        all-gather its kind provides makes its own inputs."""
+    def gathers_padded_shard(self) -> bool:
+        """Whether this parameter's all-gather input is its own padded shard (cast at most),
+        so a group may copy such shards into its all-gather input in one op, casting as it
+        copies; a parameter whose all-gather its kind provides makes its own inputs."""
         return not self._all_gather.is_extension
 
     def gathers_rows_of_shard_dim(self, post_forward: bool) -> bool:
@@ -544,12 +535,19 @@ class FSDPParam:
         """The 1D output buffers, one per all-gather input, storage allocated."""
         return self._all_gather.alloc_outputs(self)
 
-    def all_gather_input(self) -> torch.Tensor:
-        """This rank's 1D contribution to the group's all-gather (cast/moved as needed)."""
+    def all_gather_source(self) -> torch.Tensor:
+        """What this rank contributes to the group's all-gather, as it is stored (1D, padded;
+        not cast, not moved to the device): the post-forward shard, else the sharded one."""
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
             assert self._sharded_post_forward_data is not None
             return self._sharded_post_forward_data
-        data = self.sharded_param_data
+        return self.sharded_param_data
+
+    def all_gather_input(self) -> torch.Tensor:
+        """This rank's 1D contribution to the group's all-gather (cast/moved as needed)."""
+        data = self.all_gather_source()
+        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            return data
         if data.device != self.device:
             data = data.to(self.device, non_blocking=True)
         if self.param_dtype is not None and data.dtype != self.param_dtype:
@@ -602,7 +600,7 @@ class FSDPParam:
 
     def unsharded_view(self) -> torch.Tensor:
         """The unsharded parameter over ``all_gather_output``, as the handler rebuilds it."""
-        out = self.all_gather_output  # a slice of the shards' flat buffer when aliasing
+        out = self.all_gather_output  # the padded shard itself when aliasing
         unsharded = out.as_strided(
             self.orig_size, contiguous_strides(self.orig_size), out.storage_offset()
         )

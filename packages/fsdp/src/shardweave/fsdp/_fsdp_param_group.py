@@ -1,14 +1,15 @@
 """FSDPParamGroup: the parameters communicated together, and the comm context groups share.
 
-Design note: flat storage
-    A group whose shards share one dtype and device keeps them in one flat buffer per rank; each
-    parameter's padded shard is a slice of it and the registered DTensor's local tensor a view of
-    that slice. The optimizer therefore updates the flat buffer in place, and the all-gather
-    reads it directly: no per-parameter copy-in on each unshard (torch's FSDP2 copies every
-    shard into a staging buffer each time). Groups with mixed dtypes, or whose storage is
-    replaced (``to_empty``, ``load_state_dict(assign=True)``), are re-flattened at the next
-    lazy init or ``reset``; until then they use the per-parameter copy-in. Groups with a
-    tensor-subclass shard are never flattened: a plain buffer cannot hold the subclass.
+Design note: sharded storage
+    Each parameter's padded shard is an allocation of its own, its registered DTensor's local
+    tensor a view of it from element 0, as in torch's FSDP2: what users hold (parameters,
+    ``state_dict()`` values, their detached copies) saves, deep-copies, pickles and loads back
+    as torch's own tensors do, and ``torch.save`` of one parameter writes that parameter's
+    bytes. Until 2026-11 a group kept its shards in one flat buffer, each a view at an offset,
+    which let the all-gather read the shards with no copy-in; DTensor carries a local tensor's
+    storage offset onto its wrapper, so sharded state dicts could not be saved or copied, and
+    the copy-in it saved is one op per unshard on the copy-in stream (see ``_all_gather``):
+    docs/architecture.md, "What users hold", has the figures.
 """
 
 from __future__ import annotations
@@ -185,7 +186,6 @@ class FSDPParamGroup:
         self._module_fqn = None
         self._param_group_index = 0
         self._num_param_groups = 1
-        self._flat_sharded: torch.Tensor | None = None  # 1D; see Design note: flat storage
         self._all_gather_result: AllGatherResult | None = None
         self._copy_out_views = CopyOutViews()
         self._partial_reduce_output: torch.Tensor | None = None
@@ -203,10 +203,6 @@ class FSDPParamGroup:
         self._reduce_dtype: torch.dtype | None = None
         self._sharded_grad_dtype: torch.dtype | None = None
         self._grad_dtype_rank: dict[torch.dtype, int] = {}
-        # Set at lazy init: the one param_dtype every param wants, and whether the flat fast
-        # path applies (it casts the whole buffer at once, so all params must agree).
-        self._uniform_param_dtype: torch.dtype | None = None
-        self._param_dtypes_uniform = False
         self._state_dict_handles: list[RemovableHandle] = []
         # Controls (FSDPModule setters); defaults as torch's FSDP2.
         self.reduce_grads = True
@@ -229,7 +225,6 @@ class FSDPParamGroup:
         # Set by the owning state at lazy init; run after a post-backward that autograd ran, so
         # the reduction it issued lands by the end of that backward (see FSDPState).
         self.after_autograd_post_backward: Callable[[], None] | None = None
-        self._flatten_sharded_storage()
 
     # --- communication controls ---------------------------------------------------------------
     def _require_known_comms(
@@ -330,47 +325,10 @@ class FSDPParamGroup:
         info.reduce_scatter_process_group = cache[ranks]
 
     # --- initialization -----------------------------------------------------------------------
-    def _flatten_sharded_storage(self) -> None:
-        """Move every shard into one flat buffer when they share dtype and device."""
-        params = self.fsdp_params
-        datas = [p.sharded_param_data for p in params]
-        self._flat_sharded = None
-        if not datas or len({(d.dtype, d.device) for d in datas}) != 1:
-            return
-        if any(p.storage_owner is not None for p in params):
-            # A weight tied after fully_shard reads another group's storage (FSDPParam, Design
-            # note: tied after fully_shard), which this group's buffer must not take over.
-            return
-        if any(type(d) is not torch.Tensor for d in datas):
-            # A tensor-subclass shard (e.g. one with fsdp_pre/post_all_gather) would be copied
-            # into a plain buffer and rebound to a view of it, losing its class, its hooks
-            # and any inner tensors beyond one; such groups keep per-parameter storage.
-            return
-        if datas[0].device.type == "meta":
-            return  # materialized later (to_empty), then flattened at lazy init
-        flat = torch.empty(
-            sum(d.numel() for d in datas), dtype=datas[0].dtype, device=datas[0].device
-        )
-        if self.fsdp_params[0].pin_memory and flat.device.type == "cpu":
-            flat = flat.pin_memory()
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                n = p.padded_sharded_numel
-                p.rebind_sharded_storage(flat.narrow(0, offset, n))
-                offset += n
-        self._flat_sharded = flat
-
     def reset_sharded_params(self) -> None:
-        """Re-adopt the registered shards (after ``_apply`` or an assign-load) and re-flatten."""
-        changed = [p.reset_sharded_param() for p in self.fsdp_params]
-        # A parameter tied after fully_shard reads its owner's storage now, not the copy this
-        # group's flat buffer holds: the buffer must go (see _flatten_sharded_storage).
-        tied = self._flat_sharded is not None and any(
-            p.storage_owner is not None for p in self.fsdp_params
-        )
-        if any(changed) or tied or self._flat_sharded is None:
-            self._flatten_sharded_storage()
+        """Re-adopt the registered shards (after ``_apply`` or an assign-load)."""
+        for p in self.fsdp_params:
+            p.reset_sharded_param()
 
     def lazy_init(self) -> None:
         if self._lazy_inited:
@@ -408,12 +366,6 @@ class FSDPParamGroup:
         self._reduce_dtype = group_reduce_dtype(
             [(p.orig_dtype, p.param_dtype, p.reduce_dtype) for p in trainable]
         )
-        params = self.fsdp_params
-        dtypes = {p.param_dtype for p in params}
-        # The flat fast path casts the whole buffer at once, so every param must want the same.
-        # A parameter whose kind makes its own all-gather inputs rules the flat fast path out.
-        self._param_dtypes_uniform = len(dtypes) == 1 and all(p.gathers_flat_shard for p in params)
-        self._uniform_param_dtype = next(iter(dtypes)) if self._param_dtypes_uniform else None
 
     def _validate_no_meta_params(self) -> None:
         meta = [p.param_fqn for p in self.fsdp_params if p.sharded_param.device.type == "meta"]
@@ -479,12 +431,13 @@ class FSDPParamGroup:
         assert info is not None
         if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
             _trace.ACTIVE.unshard_begin(self.trace_key)
-        if self._aliases_shards():
-            # See FSDPParam.alias_sharded_storage: one rank per shard, nothing to gather.
-            for p in self.fsdp_params:
-                p.alias_sharded_storage()
-            assert self._flat_sharded is not None
-            self._all_gather_result = AllGatherResult(self._flat_sharded, None, 1, [], False, False)
+        world, rank = (
+            (info.shard_mesh_size, info.shard_mesh_rank)
+            if isinstance(info, FSDPMeshInfo)
+            else (1, 0)
+        )
+        if world == 1 and self._unshards_from_shards(post_forward):
+            self._unshard_from_shards()
             return
         streams = self.comm_ctx.streams(self.device)
         copy_in_stream, all_gather_stream = self._all_gather_streams(async_op)
@@ -494,12 +447,6 @@ class FSDPParamGroup:
         event, self._reshard_after_forward_event = self._reshard_after_forward_event, None
         wait_event(copy_in_stream, event)
         wait_event(all_gather_stream, event)
-        flat = self._flat_sharded if self._param_dtypes_uniform else None
-        world, rank = (
-            (info.shard_mesh_size, info.shard_mesh_rank)
-            if isinstance(info, FSDPMeshInfo)
-            else (1, 0)
-        )
         gathers = world > 1
         slots: list[torch.Tensor] = []  # the all-gather output, when the copy-in allocated it
 
@@ -513,20 +460,18 @@ class FSDPParamGroup:
             return output.narrow(0, rank * numel, numel)
 
         with streams.use(copy_in_stream):
-            inp, sizes, as_bytes = all_gather_copy_in(
-                self.fsdp_params,
-                flat,
-                self._uniform_param_dtype,
-                self.device,
-                post_forward,
-                into if gathers else None,
+            inp, sizes, as_bytes, gathered_dtype = all_gather_copy_in(
+                self.fsdp_params, self.device, into if gathers else None
             )
         if _trace.ACTIVE is not None:
-            # The gathered bytes in the parameters' dtype (one rank per shard: the input is
-            # the uncast shard, as the copy-out casts).
-            itemsize = 1 if as_bytes else (self._uniform_param_dtype or inp.dtype).itemsize
-            _trace.ACTIVE.copy_in_end(self.trace_key, world * inp.numel() * itemsize)
-        kept_input = None if inp is flat or slots else inp
+            # The gathered bytes in the parameters' dtype (one rank per shard: the input may
+            # be the uncast shards, as the copy-out casts).
+            itemsize = gathered_dtype.itemsize
+            numel = inp.numel() if as_bytes or inp.dtype == gathered_dtype else sum(sizes)
+            _trace.ACTIVE.copy_in_end(self.trace_key, world * numel * itemsize)
+        # Read on another stream than its own (see the table in _fsdp_streams); a shard kept
+        # with it costs nothing.
+        kept_input = None if slots else inp
         if not gathers:
             # No collective: the copy-out reads the copy-in's result directly.
             done = InFlight(self._fqn, self.device, None, copy_in_stream.record_event())
@@ -540,8 +485,8 @@ class FSDPParamGroup:
             all_gather_stream.wait_stream(copy_in_stream)
         elif isinstance(self._all_gather_comm, SymmMemAllGather):
             # In place, as the comm's peers address only the symmetric output: this rank's
-            # input (the flat shard itself, or its only parameter's) is copied into its own
-            # slot of it.
+            # input (its only parameter's shard, or a parameter kind's one input) is copied into
+            # its own slot of it.
             with streams.use(copy_in_stream):
                 slot = into(inp.numel(), inp.dtype)
                 slot.copy_(inp)
@@ -630,7 +575,8 @@ class FSDPParamGroup:
                 self.comm_ctx.all_gather_state = (result, copy_out_event)
             else:
                 streams.all_gather_waits(copy_out_event)
-                if on_host:  # CPU: free it now that its owner waited (a no-op there)
+                if on_host and result.output is not None:
+                    # CPU: free it now that its owner waited (a no-op there)
                     release_finished_buffer(result.output, self._all_gather_comm)
         for p in self.fsdp_params:
             p.init_unsharded_param()
@@ -812,18 +758,35 @@ class FSDPParamGroup:
             "every microbatch (torch 2.15 zero-fills the missing ones; shardweave does not yet)."
         )
 
-    def _aliases_shards(self) -> bool:
-        """Whether unsharding can view the shards in place: one rank per shard, one flat
-        buffer on the compute device, no cast, no extension, no smaller post-forward mesh."""
+    def _unshards_from_shards(self, post_forward: bool) -> bool:
+        """With one rank per shard: whether unsharding needs neither a collective nor a staged
+        input, as every parameter contributes its own padded shard, already on the device."""
+        return not post_forward and all(
+            p.gathers_padded_shard and p.sharded_param_data.device == self.device
+            for p in self.fsdp_params
+        )
+
+    def _unshard_from_shards(self) -> None:
+        """One rank per shard: the shard *is* the padded full parameter. The unsharded
+        parameters view the shards in place where nothing is cast and no smaller post-forward
+        mesh will free them (see ``FSDPParam.alias_sharded_storage``); otherwise the copy-out
+        copies each shard into its unsharded storage, casting as it copies."""
+        params = self.fsdp_params
         info = self.mesh_info
-        one_rank = not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size == 1
-        return (
-            one_rank
-            and self._flat_sharded is not None
-            and self._flat_sharded.device == self.device
-            and self._param_dtypes_uniform
-            and self._uniform_param_dtype is None
-            and (self.post_forward_mesh_info is None or self.post_forward_mesh_info is info)
+        if all(p.unsharded_dtype == p.sharded_param_data.dtype for p in params) and (
+            self.post_forward_mesh_info is None or self.post_forward_mesh_info is info
+        ):
+            for p in params:
+                p.alias_sharded_storage()
+            self._all_gather_result = AllGatherResult(None, None, 1, [], False, False)
+            return
+        sources = [p.sharded_param_data for p in params]
+        sizes = [s.numel() for s in sources]
+        if _trace.ACTIVE is not None:
+            itemsize = params[0].unsharded_dtype.itemsize
+            _trace.ACTIVE.copy_in_end(self.trace_key, sum(sizes) * itemsize)
+        self._all_gather_result = AllGatherResult(
+            None, None, 1, sizes, False, False, sources=sources
         )
 
     def _can_bucket(self) -> bool:
