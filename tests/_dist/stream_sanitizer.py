@@ -75,7 +75,7 @@ import itertools
 import sys
 import traceback
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Final
@@ -523,7 +523,12 @@ def _storage_keys(tree: object) -> set[int]:
 
 
 class _StorageArgumentHandler(ArgumentHandler):
-    """CSAN's argument handler, for tensors on any device, keyed by storage (see module doc)."""
+    """CSAN's argument handler, for tensors on any device, keyed by storage (see module doc);
+    a storage over part of a block's memory is keyed by that block (``block_of``)."""
+
+    def __init__(self, block_of: Callable[[int], int]) -> None:
+        super().__init__()
+        self._block_of = block_of
 
     def _handle_argument(
         self,
@@ -537,6 +542,7 @@ class _StorageArgumentHandler(ArgumentHandler):
             key = _storage_key(tensor)
             if key is None:
                 continue
+            key = self._block_of(key)
             if is_write:
                 self.dataptrs_written.add(key)
             elif not metadata_only:
@@ -664,6 +670,8 @@ class CachingAllocatorModel:
         self._handler = handler
         self._report = report
         self._live: dict[int, _Block] = {}  # by address
+        self._extent: dict[int, int] = {}  # each live block's address -> its exact bytes
+        self._inside: dict[int, int] = {}  # block_of's answers, until the next alloc or free
         self._storages: dict[int, list[int]] = {}  # StorageImpl address -> [current block address]
         self._pending: dict[int, list[_Block]] = {}  # by owning stream
         self.active = True
@@ -676,6 +684,8 @@ class CachingAllocatorModel:
             self.freed(ptr)
         self._hand_out(stream, _rounded(nbytes), operator)
         self._live[ptr] = _Block(ptr, _rounded(nbytes), stream)
+        self._extent[ptr] = nbytes
+        self._inside.clear()
         cdata = storage._cdata
         holder = self._storages.get(cdata)
         if holder is None:
@@ -695,7 +705,24 @@ class CachingAllocatorModel:
             holder[0] = 0
         self.freed(ptr)
 
+    def block_of(self, key: int) -> int:
+        """The live block whose memory holds address ``key``, else ``key`` itself.
+
+        A storage may be a window on part of a block (the engine hands each sharded gradient
+        out over a storage of its own, a DLPack alias of its slot of the reduced output:
+        ``own_storage``); its accesses are the block's, as on CUDA they touch its memory.
+        """
+        if key in self._live:
+            return key
+        found = self._inside.get(key)
+        if found is None:
+            found = next((b for b, n in self._extent.items() if b < key < b + n), key)
+            self._inside[key] = found
+        return found
+
     def freed(self, ptr: int) -> None:
+        self._extent.pop(ptr, None)
+        self._inside.clear()
         block = self._live.pop(ptr, None)
         if block is None or not self.active:
             return
@@ -780,7 +807,7 @@ class SanitizerMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         stream_now = device.current_stream()
         if stream_now.collectives:  # test accelerator: the stream is ordered after them
             device.finish(stream_now.collectives)
-        handler = _StorageArgumentHandler()
+        handler = _StorageArgumentHandler(device.allocator.block_of)
         input_keys = _storage_keys((args, kwargs))
         collective = _COLLECTIVES.get(schema.name)
         is_factory = False

@@ -142,6 +142,24 @@ def test_views_share_their_storage() -> None:
     assert len(report.errors) == 1, report.races
 
 
+@pytest.mark.parametrize("sync", [_no_sync, _wait_stream], ids=["no-wait", "wait"])
+def test_storage_over_part_of_a_block_is_that_block(sync: Sync) -> None:
+    """A storage of its own over part of a block's memory (a DLPack alias, as the engine hands
+    out sharded gradients: ``own_storage``) is keyed by the block, so a read of it on another
+    stream races with the block's writer unless ordered (as the block's own views do)."""
+    with stream_sanitizer(install=False, raise_on_race=False) as report:
+        dev = report.device
+        a, b = dev.Stream(), dev.Stream()
+        with dev.stream(a):
+            x = torch.arange(64.0) * 2  # a fresh block, written on A
+        alias = torch._C._from_dlpack(torch._C._to_dlpack(x[16:32]))
+        assert alias.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        sync(dev, a, b)
+        with dev.stream(b):
+            alias.sum()
+    assert len(report.errors) == (1 if sync is _no_sync else 0), report.races
+
+
 def test_stream_contexts_nest() -> None:
     dev = FakeDeviceModule()
     default = dev.current_stream()

@@ -50,6 +50,7 @@ __all__ = [
     "contiguous_strides",
     "free_storage",
     "in_backward",
+    "own_storage",
     "replace_grad_tensors",
     "run_eagerly",
 ]
@@ -174,6 +175,23 @@ def free_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.size() != 0:
         storage.resize_(0)
+
+
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view``'s elements as a tensor whose storage is just its own bytes (offset 0), over
+    the same memory, which it keeps alive: no copy, no allocation (a DLPack round trip).
+
+    Design note: what users hold. A sharded gradient is a slot of its group's reduced output,
+    as in torch's FSDP2; as a plain view it would carry the slot's offset onto its DTensor
+    wrapper, which then cannot be pickled, saved or deep-copied ('invalid python storage',
+    torch's sharded gradients fail the same way), and saving one gradient would write the
+    whole group's. Over a storage of its own it behaves as a tensor of its own allocation.
+    A device whose tensors have no DLPack form keeps the view (torch's behaviour).
+    """
+    try:
+        return torch._C._from_dlpack(torch._C._to_dlpack(view))
+    except (RuntimeError, BufferError):
+        return view
 
 
 def alloc_storage(tensor: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from shardweave.fsdp._fsdp_common import (
     chunk_with_empty,
     contiguous_strides,
     free_storage,
+    own_storage,
 )
 from shardweave.fsdp._fsdp_subclass_gather import detect_subclass_all_gather
 from shardweave.fsdp._param_handler import resolve_param_handler
@@ -809,13 +810,21 @@ class FSDPParam:
         Returns whether it issued a non-blocking device-to-host copy (CPU offload into pinned
         memory), which the caller must order with an event before the CPU optimizer runs.
         """
-        local = self._local_view(reduce_output, offset)
         sharded = self.sharded_param
         # Post-accumulate-grad hooks (optimizer-in-backward) fire on the sharded parameter,
         # which autograd never sees, so they run below.
         hooks = getattr(sharded, "_post_accumulate_grad_hooks", None)
         non_blocking = False
-        if self.offload_to_cpu and local.device.type != "cpu":
+        to_host = self.offload_to_cpu and reduce_output.device.type != "cpu"
+        if sharded.grad is None and not to_host:
+            # The padded slot over a storage of its own (see own_storage: what users hold),
+            # the gradient a view of it from element 0, as the sharded parameter is of its
+            # padded shard.
+            slot = own_storage(reduce_output.narrow(0, offset, self.padded_sharded_numel))
+            local = self._local_view(slot)
+        else:
+            local = self._local_view(reduce_output, offset)
+        if to_host:
             non_blocking = self.offload_non_blocking(bool(hooks))
             local = local.to("cpu", non_blocking=non_blocking)
         if sharded.grad is None:
