@@ -1,0 +1,81 @@
+"""What users hold of a model whose weights are a tensor subclass with the all-gather protocol
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``), and what they do with it: the
+user-objects catalogue (``tests/fsdp/_user_objects.py``) on 2 ranks.
+
+Oracle: *compatibility*: torch's ``fully_shard`` runs the same ``BF16Gather`` model (uneven
+shards, plain biases in the same group); same outcome per line, bitwise results where it works.
+One spawned body.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._dist import WorkerPool
+from tests.extensions._subclass_gather import BF16Gather, WideMLP
+from tests.fsdp._user_objects import (
+    DCP_FULL,
+    DCP_FULL_CPU,
+    DEEPCOPY,
+    SAVE_LOAD_WO,
+    Config,
+    Engine,
+    Row,
+    Subject,
+    assert_catalogue,
+    run_catalogue,
+)
+
+
+def _subclass_subject(engine: Engine) -> Subject:
+    rank = dist.get_rank()
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = WideMLP()
+        engine.fully_shard(model)
+        return model
+
+    def loss(model: nn.Module, i: int) -> torch.Tensor:
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(100 * i + rank))
+        out: torch.Tensor = model(x)
+        return out.sum()
+
+    # A BF16Gather weight (9 x 3 rows: 5 + 4) that is not first in the group.
+    return Subject(build, loss, "out_proj.weight")
+
+
+# A full state dict holds plain BF16Gather tensors (wrapped in an AsyncCollectiveTensor by
+# DTensor's full_tensor), on both engines: a weights-only load refuses that class, and torch's
+# default __deepcopy__ of a wrapper subclass needs a clone() that returns the subclass. Limits
+# of DTensor and of the test subclass, pinned so a change shows.
+_FULL_SET = "set_model_state_dict(full)"
+_FULL_CPU_SET = "set_model_state_dict(full, broadcast_from_rank0)"
+CONFIG = Config(
+    "BF16Gather subclass",
+    _subclass_subject,
+    {
+        f"{DCP_FULL.label} / {DEEPCOPY}": RuntimeError,
+        f"{DCP_FULL_CPU.label} / {DEEPCOPY}": RuntimeError,
+        f"{DCP_FULL.label} / {SAVE_LOAD_WO}": pickle.UnpicklingError,
+        f"{DCP_FULL_CPU.label} / {SAVE_LOAD_WO}": pickle.UnpicklingError,
+        f"{DCP_FULL.label} / {_FULL_SET}": pickle.UnpicklingError,
+        f"{DCP_FULL_CPU.label} / {_FULL_CPU_SET}": pickle.UnpicklingError,
+    },
+)
+
+
+def catalogue_body(rank: int, world: int) -> list[Row]:
+    # A subclass's users allow it in weights-only loads (torch.load and DCP's reader use them).
+    with torch.serialization.safe_globals([BF16Gather]):
+        return run_catalogue(CONFIG)
+
+
+def test_user_objects_behave_as_torch(world2: WorkerPool) -> None:
+    """Oracle: compatibility (torch's fully_shard on the same subclass model, same seeds;
+    outcomes pinned per line; bitwise results)."""
+    assert_catalogue(CONFIG.name, world2.run(catalogue_body))
