@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from shardweave.fsdp._fsdp_streams import device_module
+from shardweave.fsdp._torch_compat import TORCH_RELEASE
 from tests._dist.stream_sanitizer import SanitizerReport, stream_sanitizer
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 
@@ -187,6 +188,8 @@ def torch_lacks(cfg: dict[str, Any]) -> str | None:
         TorchFSDPModule, "set_reduce_scatter_max_input_buffers"
     ):
         return "this torch's FSDPModule has no set_reduce_scatter_max_input_buffers (the oracle)"
+    if cfg.get("partial") == "grows" and TORCH_RELEASE < (2, 15):
+        return "torch before 2.15 adds a partial sum to the wrong parameters when they change"
     return None
 
 
@@ -257,8 +260,15 @@ def train(
             model.set_manual_backward_finalization(True)  # type: ignore[operator]
         for step in range(steps):
             for mb in range(micro):
-                if micro > 1:
+                if micro > 1 and cfg.get("partial"):
+                    # HSDP: reduce-scatter every microbatch, all-reduce the partial sum once.
+                    model.set_requires_all_reduce(mb == micro - 1)  # type: ignore[operator]
+                elif micro > 1:
                     model.set_requires_gradient_sync(mb == micro - 1)  # type: ignore[operator]
+                if cfg.get("partial") == "grows":
+                    # A parameter without a gradient in the first microbatch: the next one
+                    # repacks the partial sum to give it a slot.
+                    model.layers[0].fc1.weight.requires_grad_(mb > 0)  # type: ignore[index]
                 if cfg.get("async_unshard"):
                     handle = model.unshard(async_op=True)  # type: ignore[operator]
                     handle.wait()

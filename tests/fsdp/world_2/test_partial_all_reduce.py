@@ -1,19 +1,23 @@
 """HSDP accumulation with ``set_requires_all_reduce(False)`` when the parameters with gradients
-change between microbatches (a layer used in one microbatch and not in the other).
+change between microbatches (a layer used in one microbatch and not in another).
 
-The kept partial sum is added slot by slot to the next reduction's output. torch 2.15
-zero-fills the parameters the new microbatch left without a gradient and rebuilds the partial
-for new ones; shardweave does not yet, so the change is a clear error on every rank (it
-was a shape error deep in an add, or, with equal sizes, gradients silently added to other
-parameters). ``set_reduce_scatter_unused_params(True)`` keeps the layout fixed, and then both
-engines agree bitwise.
+A parameter with a slot in the pending partial sum is reduced in every later microbatch, as
+zeros where it has no gradient, and a parameter that first gets a gradient partway through
+gets a slot of its own (the partial is repacked), as torch 2.15 does; a group that the last
+microbatch leaves without any gradient still reduces its partial. Before 2.15 torch added the
+partial slot by slot to whatever parameters the next microbatch had (a shape error deep in an
+add, or, with equal sizes, gradients silently added to other parameters).
 
-Oracles: closed form (the error and its advice) and compatibility (torch's ``fully_shard``).
+Oracles: compatibility. On every release, torch's ``fully_shard`` with
+``set_reduce_scatter_unused_params(True)``, whose layout never changes (every parameter is
+reduced in every microbatch, as zeros without a gradient): the same arithmetic, bitwise. On
+torch 2.15, also torch's own zero-fill (the same scenario without that setting), bitwise.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,65 +27,82 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.fsdp import fully_shard
+from shardweave.fsdp._torch_compat import TORCH_RELEASE
 from tests._dist import WorkerPool
 from tests.fsdp._oracle import assert_same_as_torch
 
+# torch 2.15 repacks the partial itself; before, only the fixed-layout oracle applies.
+TORCH_ZERO_FILLS = TORCH_RELEASE >= (2, 15)
 
-class TwoLayers(nn.Module):
-    """One group, two layers; the second used only when asked (equal sizes: a misplaced
-    partial would fit)."""
+
+class Body(nn.Module):
+    """Two equal layers (a misplaced partial would fit), either or both used."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(4, 4)
         self.b = nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
-        h = self.a(x)
-        return self.b(h) if use_b else h
+    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
+        for name in use:  # "a" or "ab"
+            x = getattr(self, name)(x)
+        return x
+
+
+class Layers(nn.Module):
+    """A child group (the body) and the root's head; "" leaves the body out of the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Body()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use: str) -> torch.Tensor:
+        return self.head(self.body(x, use) if use else x)
+
+
+# Each microbatch: the body layers it uses; the last one all-reduces.
+SCENARIOS: dict[str, tuple[str, ...]] = {
+    "grows": ("a", "ab"),  # b's first gradient partway through: the partial is repacked
+    "shrinks": ("ab", "a"),  # b pending, no gradient now: reduced as zeros
+    "grows-then-shrinks": ("a", "ab", "a"),
+    "body-unused-last": ("ab", ""),  # the body group has no gradient at all at the end
+}
 
 
 def _hsdp_mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
 
 
-def _microbatches(model: nn.Module, rank: int) -> None:
-    """A first microbatch using only ``a`` without the all-reduce, then one using both."""
-    for i, (use_b, last) in enumerate(((False, False), (True, True))):
-        model.set_requires_all_reduce(last)  # type: ignore[operator]
+def _train(model: nn.Module, api: Callable[..., object], uses: tuple[str, ...], rank: int, *,
+           unused: bool) -> None:  # fmt: skip
+    mesh = _hsdp_mesh()
+    api(model.body, mesh=mesh)
+    api(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(unused)  # type: ignore[operator]
+    for i, use in enumerate(uses):
+        model.set_requires_all_reduce(i == len(uses) - 1)  # type: ignore[operator]
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * i + rank))
-        model(x, use_b).sum().backward()
+        model(x, use).sum().backward()
 
 
-def changed_layout(rank: int, world: int) -> str:
+def changed_layout(rank: int, world: int, scenario: str) -> None:
+    uses = SCENARIOS[scenario]
     torch.manual_seed(0)
-    model = TwoLayers()
-    fully_shard(model, mesh=_hsdp_mesh())
-    with pytest.raises(RuntimeError, match="changed between microbatches") as info:
-        _microbatches(model, rank)
-    model.reset_iter_state()  # type: ignore[operator]
-    return str(info.value)
+    model = Layers()
+    fixed, zero_filled = copy.deepcopy(model), copy.deepcopy(model)
+    _train(model, fully_shard, uses, rank, unused=False)
+    _train(fixed, torch_fully_shard, uses, rank, unused=True)
+    assert_same_as_torch(model, fixed, f"{scenario}: vs torch's fixed layout")
+    if TORCH_ZERO_FILLS:
+        _train(zero_filled, torch_fully_shard, uses, rank, unused=False)
+        assert_same_as_torch(model, zero_filled, f"{scenario}: vs torch 2.15's zero-fill")
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{scenario}: {name} has no gradient after the last microbatch"
 
 
-def test_changed_layout_is_a_clear_error(world2: WorkerPool) -> None:
-    for message in world2.run(changed_layout):
-        assert isinstance(message, str)
-        assert "only now: ['b.bias', 'b.weight']" in message, message
-        assert "set_reduce_scatter_unused_params(True)" in message, message
-
-
-def unused_zeros(rank: int, world: int) -> None:
-    torch.manual_seed(0)
-    model = TwoLayers()
-    tmodel = copy.deepcopy(model)
-    for m, api in ((model, fully_shard), (tmodel, torch_fully_shard)):
-        api(m, mesh=_hsdp_mesh())
-        m.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
-        _microbatches(m, rank)
-    assert_same_as_torch(model, tmodel, "unused parameters reduced as zeros")
-
-
-def test_unused_params_keep_the_layout(world2: WorkerPool) -> None:
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_changed_layout_as_torch(world2: WorkerPool, scenario: str) -> None:
     if not hasattr(TorchFSDPModule, "set_reduce_scatter_unused_params"):
         pytest.skip("torch's FSDPModule has no set_reduce_scatter_unused_params on this release")
-    world2.run(unused_zeros)
+    world2.run(changed_layout, scenario)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests._dist import WorkerPool
-from tests.fsdp._stream_order import check_watched, mutated, sanitized_vs_plain
+from tests.fsdp._stream_order import check_watched, mutated, sanitized_vs_plain, torch_lacks
 
 BF16_REDUCE = {"mp": True, "reduce_dtype": torch.bfloat16}
 
@@ -18,14 +18,19 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "hsdp-2x2": {"hsdp": True},
     "hsdp-2x2-bf16-reduce": {"hsdp": True, **BF16_REDUCE},
     "hsdp-2x2-grad-accumulation": {"hsdp": True, "micro": 2},
+    # set_requires_all_reduce(False): the partial sum kept, then repacked for a parameter
+    # whose first gradient comes in the second microbatch.
+    "hsdp-2x2-partial-all-reduce": {"hsdp": True, "micro": 2, "partial": "same"},
+    "hsdp-2x2-partial-all-reduce-grows": {"hsdp": True, "micro": 2, "partial": "grows"},
     "reshard-after-forward-2": {"reshard_after_forward": 2},
 }
 
 
 @pytest.mark.parametrize("cfg", list(SCENARIOS.values()), ids=list(SCENARIOS))
 def test_accelerator_branches_match_cpu_branches(world4: WorkerPool, cfg: dict[str, Any]) -> None:
-    """Oracle: the CPU branches' numbers, bitwise; no race, no unsafe reuse (2 steps)."""
-    check_watched(world4.run(sanitized_vs_plain, cfg, True), cfg)
+    """Oracle: the CPU branches' numbers, bitwise, and torch's engine's where it can run the
+    scenario (``torch_lacks``); no race, no unsafe reuse (2 steps)."""
+    check_watched(world4.run(sanitized_vs_plain, cfg, True, torch_lacks(cfg) is None), cfg)
 
 
 def test_removed_all_reduce_keep_alive_is_reported(world4: WorkerPool) -> None:

@@ -190,7 +190,7 @@ class FSDPParamGroup:
         self._copy_out_views = CopyOutViews()
         self._partial_reduce_output: torch.Tensor | None = None
         # Which parameters (in order) the pending partial holds, and the reduction about to
-        # make one: the next reduction must lay out the same ones (_check_partial_layout).
+        # make one: the next reduction repacks it to its own layout where they differ.
         self._partial_layout: tuple[FSDPParam, ...] = ()
         self._reducing_layout: tuple[FSDPParam, ...] = ()
         # Manual finalization: this group's reduction waits for finalize_backward, either
@@ -683,14 +683,19 @@ class FSDPParamGroup:
         self._post_backward_pending = False
         with_grad: list[FSDPParam] = []
         grads: list[torch.Tensor] = []
+        # A parameter with a slot in the pending partial sum (set_requires_all_reduce(False))
+        # is reduced in every later microbatch, as zeros where it has no gradient, so its slot
+        # is carried to the synchronized one (torch 2.15; before, torch added the partial to
+        # whatever parameters the next layout held).
+        pending = frozenset(() if self._partial_reduce_output is None else self._partial_layout)
+        unused_too = self.reduce_scatter_unused_params
         for p in self.fsdp_params:
-            grad = p.take_unsharded_grad(self.reduce_scatter_unused_params)
+            grad = p.take_unsharded_grad(unused_too or p in pending)
             if grad is not None:
                 with_grad.append(p)
                 grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
-        self._check_partial_layout(with_grad)
         if not with_grad:
             return
         # A group whose params were all frozen at lazy init has no recorded dtype; if the user
@@ -705,6 +710,7 @@ class FSDPParamGroup:
                 range(len(with_grad)), key=lambda i: rank[with_grad[i].sharded_grad_dtype]
             )
             with_grad, grads = [with_grad[i] for i in order], [grads[i] for i in order]
+        self._reducing_layout = tuple(with_grad)
         streams = self.comm_ctx.streams(self.device)
         traced_bytes = 0
         if _trace.ACTIVE is not None:
@@ -722,6 +728,7 @@ class FSDPParamGroup:
             all_reduce_group=self._all_reduce_group,
             all_reduce_grads=self.all_reduce_grads,
             partial_reduce_output=self._partial_reduce_output,
+            partial_params=self._partial_layout,
             all_reduce_hook=self._all_reduce_hook,
             all_reduce_hook_stream=self._all_reduce_hook_stream,
             force_sum=self.force_sum_reduction_for_comms,
@@ -736,27 +743,6 @@ class FSDPParamGroup:
     def _set_partial_reduce_output(self, partial: torch.Tensor | None) -> None:
         self._partial_reduce_output = partial
         self._partial_layout = self._reducing_layout if partial is not None else ()
-
-    def _check_partial_layout(self, with_grad: list[FSDPParam]) -> None:
-        """A partial sum kept by ``set_requires_all_reduce(False)`` is added slot by slot to
-        the next reduction's output: the parameters with gradients must be the same ones, else
-        it would land on other parameters (or, the sizes differing, fail deep in an add).
-        torch 2.15 zero-fills the missing ones and rebuilds the partial; until we do, this is
-        a clear error, never a silent misassignment."""
-        layout = tuple(with_grad)
-        self._reducing_layout = layout
-        if self._partial_reduce_output is None or layout == self._partial_layout:
-            return
-        before = {p.param_fqn for p in self._partial_layout}
-        now = {p.param_fqn for p in layout}
-        raise RuntimeError(
-            f"FSDP group '{self._fqn}': the parameters with gradients changed between "
-            "microbatches accumulated with set_requires_all_reduce(False) (only in the pending "
-            f"partial: {sorted(before - now) or 'none'}; only now: {sorted(now - before) or 'none'}"
-            "), so the pending partial reduction cannot be matched to them. Call "
-            "set_reduce_scatter_unused_params(True) so that every parameter has a gradient in "
-            "every microbatch (torch 2.15 zero-fills the missing ones; shardweave does not yet)."
-        )
 
     def _unshards_from_shards(self, post_forward: bool) -> bool:
         """With one rank per shard: whether unsharding needs neither a collective nor a staged

@@ -715,7 +715,7 @@ class FSDPModule(ManagedModule):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # .to(), .double(), to_empty(): convert the sharded DTensors, then re-adopt them (new
-        # storage means new padding and a new flat buffer).
+        # storage means new padding).
         self.reshard()
         # Not super(): next in the MRO is torch's FSDPModule marker, whose _apply would reset our
         # parameters itself (then ours would see nothing changed and keep stale buffers).

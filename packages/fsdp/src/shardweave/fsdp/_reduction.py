@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -156,6 +157,7 @@ class GradientReduction:
         all_reduce_group: dist.ProcessGroup | None,
         all_reduce_grads: bool,
         partial_reduce_output: torch.Tensor | None,
+        partial_params: Sequence[FSDPParam],
         all_reduce_hook: Callable[[torch.Tensor], None] | None,
         all_reduce_hook_stream: Any,
         force_sum: bool,
@@ -188,6 +190,7 @@ class GradientReduction:
         self._ar_group = all_reduce_group
         self._all_reduce_grads = all_reduce_grads
         self._partial = partial_reduce_output
+        self._partial_params = partial_params  # whose slots ``_partial`` holds, in order
         self._hook = all_reduce_hook
         self._hook_stream = all_reduce_hook_stream
         self._force_sum = force_sum
@@ -385,15 +388,16 @@ class GradientReduction:
         post_stream = rs_stream
         if ar_group is not None:
             with streams.use(rs_stream):
+                partial = self._partial_in_this_layout()
                 if not self._all_reduce_grads:
                     # HSDP accumulation: keep the partial sum for the synchronized microbatch.
-                    if self._partial is not None:
-                        self._partial += output
-                        output = self._partial
+                    if partial is not None:
+                        partial += output
+                        output = partial
                     self.post_reduce_event = rs_stream.record_event()
                     return output
-                if self._partial is not None:
-                    output += self._partial
+                if partial is not None:
+                    output += partial
             ar_stream = streams.all_reduce
             ar_stream.wait_stream(rs_stream)
             reduced = output
@@ -446,6 +450,32 @@ class GradientReduction:
             if offloaded:  # the same event orders the non-blocking device-to-host copies
                 self.offload_event = self.post_reduce_event
         return None
+
+    def _partial_in_this_layout(self) -> torch.Tensor | None:
+        """The pending partial sum (``set_requires_all_reduce(False)``) laid out as this
+        reduction's output: itself when the same parameters have gradients, else, as torch
+        2.15 repacks it, a zero buffer with each pending slot copied to its parameter's new
+        offset. Every parameter with a pending slot has a gradient here (a zero one where its
+        microbatch left it without: ``FSDPParamGroup.post_backward``), so no slot is lost;
+        the layout only changes when a parameter first gets a gradient partway through."""
+        partial, old = self._partial, self._partial_params
+        params = self._sources[0].params
+        if partial is None or (len(old) == len(params) and all(map(operator.is_, old, params))):
+            return partial
+        slots: dict[FSDPParam, int] = {}
+        offset = 0
+        for p in old:
+            slots[p] = offset
+            offset += p.padded_sharded_numel
+        repacked = torch.zeros(_numel(params), dtype=partial.dtype, device=partial.device)
+        offset = 0
+        for p in params:
+            start = slots.get(p)
+            if start is not None:
+                n = p.padded_sharded_numel
+                repacked.narrow(0, offset, n).copy_(partial.narrow(0, start, n))
+            offset += p.padded_sharded_numel
+        return repacked
 
 
 def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[list[FSDPParam], torch.dtype]]:
