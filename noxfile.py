@@ -2,8 +2,8 @@
 
     nox                     tests, typecheck, lint, isolated(mesh|fsdp|replicate|extensions),
                             integration
-    nox -s integration      the frameworks (Lightning, Fabric, accelerate, pipelining, DCP) with
-                            torch's FSDP2 and ours in the same test
+    nox -s integration      the frameworks (Lightning, Fabric, accelerate, pipelining, DCP,
+                            torchft) with torch's FSDP2 and ours in the same test
     nox -s demo             train a small GPT with fully_shard on 2 local CPU processes (torchrun)
     nox -s bench            timing scripts; never gates a merge
     nox -s compat           the version matrix: parity, accelerator-branch and integration tests
@@ -54,8 +54,15 @@ DEMO_REQUIREMENTS = ("./packages/fsdp[plot]", "numpy")
 # The frameworks tests/integration drives, pinned: each release checked to leave torch 2.13.0 in
 # place (pip install --dry-run "torch==2.13.0" <pins> installs no other torch). lightning is the
 # newest release (its Trainer and Fabric strategies for FSDP2); accelerate for its FSDP2 wrapping;
-# transformers for its own FSDP2 path (from_pretrained with a DistributedConfig).
-INTEGRATION_REQUIREMENTS = ("lightning==2.6.6", "accelerate==1.15.0", "transformers==5.24.0")
+# transformers for its own FSDP2 path (from_pretrained with a DistributedConfig); torchft for fault
+# tolerance across replica groups (test_torchft.py; its wheel carries the Rust lighthouse and
+# managers; the dry run with torch 2.11.0, 2.14.1 or 2.15.0 installs no other torch either).
+INTEGRATION_REQUIREMENTS = (
+    "lightning==2.6.6",
+    "accelerate==1.15.0",
+    "transformers==5.24.0",
+    "torchft==0.2.0",
+)
 
 # The torch releases of the version matrix (`nox -s compat`) besides CI's 2.13.0: the oldest the
 # packages accept, the last 2.14 and the current release.
