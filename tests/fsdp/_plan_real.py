@@ -35,6 +35,7 @@ from shardweave.fsdp.plan import Plan, plan
 from tests.fsdp._models import TinyGPT
 
 WINDOW = "shardweave_test::plan_step"
+DROP_GRADS = "shardweave_test::drop_grads"  # where freed_inside reads the gradients' bytes
 # Activations well above a few groups' gathered bytes: gloo frees its staging copies on its own
 # threads' schedule, which moves the measured peak by a group's all-gather size or more on a
 # loaded machine (86 KB, 6% of the peak, with gpt_ac at world 4 and a batch of 8 in one CI run).
@@ -289,14 +290,28 @@ def _peak_in_window(prof: Any) -> tuple[int, int]:
     return min(found)
 
 
-def _storage_bytes(tensors: Iterator[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t  # type: ignore[operator]
-        s = local.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    seen.pop(0, None)
-    return sum(seen.values())
+def freed_inside(prof: Any, name: str) -> int:
+    """Bytes of CPU tensor memory freed inside the ``record_function(name)`` window of a
+    ``memory_profile``, from the allocator's own events (it reports the frees of what it saw
+    allocated inside the profile): what the objects dropped there really held, whatever
+    storage objects they reach it through (a view keeps its whole base alive; the engine's
+    sharded gradients are DLPack aliases of slots of one buffer, ``own_storage``)."""
+    from torch._C._profiler import _EventType
+
+    events: list[Any] = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        event = todo.pop()
+        events.append(event)
+        todo.extend(event.children)
+    (window,) = [e for e in events if e.name == name]
+    return -sum(
+        e.typed[1].alloc_size
+        for e in events
+        if e.tag == _EventType.Allocation
+        and e.typed[1].alloc_size < 0
+        and window.start_time_ns <= e.start_time_ns <= window.end_time_ns
+    )
 
 
 def _mesh(cfg: dict[str, Any], world: int) -> DeviceMesh:
@@ -386,15 +401,17 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             for g in groups
             for p in g.fsdp_params
         )
-        grads = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
         opt_bytes = sum(
             v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
             for state in opt.state.values()
             for v in state.values()
             if isinstance(v, torch.Tensor)
         )
-        opt.zero_grad()
+        with record_function(DROP_GRADS):
+            opt.zero_grad()
+            gc.collect()
     peak, before = _peak_in_window(prof)
+    grads = freed_inside(prof, DROP_GRADS)  # what the sharded gradients really held
     predicted = plan_for(cfg, world)
     act = predicted.activations
     assert act is not None

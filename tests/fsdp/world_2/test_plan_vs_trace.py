@@ -55,7 +55,7 @@ def _held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
                 if grad is not None:
                     local = grad.to_local()  # type: ignore[attr-defined]
                     ptr = local.untyped_storage().data_ptr()
-                    if ptr not in seen:  # grads are views of one reduce output per group
+                    if ptr not in seen:  # each its padded slot of the reduced output
                         seen.add(ptr)
                         total += local.untyped_storage().nbytes()
     for state in opt.state.values():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.profiler import record_function
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
 from shardweave.fsdp._consistency import FSDPConsistencyError
@@ -31,6 +33,7 @@ from tests._dist import WorkerPool
 from tests._dist.stream_sanitizer import stream_sanitizer
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model
 from tests.fsdp._oracle import TORCH_HAS_EXPLICIT_GRAD_DTYPE, assert_same_as_torch
+from tests.fsdp._plan_real import freed_inside, memory_profile
 
 TORCH_HAS_OVERRIDE = "param_dtype_override_fn" in {
     f.name for f in dataclasses.fields(TorchMixedPrecisionPolicy)
@@ -326,16 +329,6 @@ def _set_grad_dtype(model: nn.Module, on: str) -> None:
             p.grad_dtype = torch.bfloat16
 
 
-def _grad_storage_bytes(model: nn.Module) -> int:
-    """Bytes the local gradients hold, each storage counted once (views keep all of theirs)."""
-    storages = {
-        g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-        for p in model.parameters()
-        if p.grad is not None and (g := p.grad.to_local()).numel()  # type: ignore[attr-defined]
-    }
-    return sum(storages.values())
-
-
 def explicit_grad_dtype(rank: int, world: int, case: str, microbatches: int) -> None:
     cfg = GRAD_DTYPE_CASES[case]
     model = make_model("gpt")
@@ -352,27 +345,44 @@ def explicit_grad_dtype(rank: int, world: int, case: str, microbatches: int) -> 
         _set_grad_dtype(tmodel, "all")
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, tmodel)]
     for step in range(2):
-        for micro in range(microbatches):
-            batch = make_batch("gpt", 1000 * step + 10 * micro + rank)
-            losses = []
-            for m in (model, tmodel):
-                m.set_requires_gradient_sync(micro == microbatches - 1)  # type: ignore[operator]
-                loss = loss_fn("gpt", m(batch).float(), batch)
-                loss.backward()
-                losses.append(loss.detach())
-            assert torch.equal(losses[0], losses[1]), f"{case} step {step}.{micro}: loss"
-        grads = [(p.grad.dtype, tp.grad.dtype) for p, tp in  # type: ignore[union-attr]
-                 zip(model.parameters(), tmodel.parameters(), strict=True)]  # fmt: skip
-        assert all(ours == theirs for ours, theirs in grads), (case, grads)
-        # closed form: the explicit dtype is the gradients' (bf16 where it was set)
-        assert torch.bfloat16 in {ours for ours, _ in grads}, (case, grads)
-        assert_same_as_torch(model, tmodel, f"{case} step {step}")
-        held = _grad_storage_bytes(model), _grad_storage_bytes(tmodel)
-        assert held[0] == held[1], f"{case} step {step}: gradients hold {held} bytes"
-        for o in opts:
-            o.step()
+        with memory_profile() as prof:
+            _explicit_grad_dtype_step(model, tmodel, opts, case, step, rank, microbatches)
+        # What the gradients really held: the bytes dropping them freed.
+        held = freed_inside(prof, "drop 0"), freed_inside(prof, "drop 1")
+        assert held[0] == held[1] > 0, f"{case} step {step}: gradients hold {held} bytes"
+
+
+def _explicit_grad_dtype_step(  # one step of both engines, then each drops its gradients
+    model: nn.Module,
+    tmodel: nn.Module,
+    opts: list[torch.optim.Optimizer],
+    case: str,
+    step: int,
+    rank: int,
+    microbatches: int,
+) -> None:
+    for micro in range(microbatches):
+        batch = make_batch("gpt", 1000 * step + 10 * micro + rank)
+        losses = []
+        for m in (model, tmodel):
+            m.set_requires_gradient_sync(micro == microbatches - 1)  # type: ignore[operator]
+            loss = loss_fn("gpt", m(batch).float(), batch)
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), f"{case} step {step}.{micro}: loss"
+    grads = [(p.grad.dtype, tp.grad.dtype) for p, tp in  # type: ignore[union-attr]
+             zip(model.parameters(), tmodel.parameters(), strict=True)]  # fmt: skip
+    assert all(ours == theirs for ours, theirs in grads), (case, grads)
+    # closed form: the explicit dtype is the gradients' (bf16 where it was set)
+    assert torch.bfloat16 in {ours for ours, _ in grads}, (case, grads)
+    assert_same_as_torch(model, tmodel, f"{case} step {step}")
+    for o in opts:
+        o.step()
+    assert_same_as_torch(model, tmodel, f"{case} after step {step}")
+    for i, o in enumerate(opts):
+        with record_function(f"drop {i}"):
             o.zero_grad()
-        assert_same_as_torch(model, tmodel, f"{case} after step {step}")
+            gc.collect()
 
 
 @pytest.mark.skipif(

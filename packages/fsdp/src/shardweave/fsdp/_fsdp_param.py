@@ -445,6 +445,11 @@ class FSDPParam:
             self.sharded_param = registered
             self._apply_grad_dtype(registered)
             self._setattr_on_modules(registered)
+        if not self.has_grad_dtype_override:
+            # A dtype conversion (model.double()) after the first forward: the gradients
+            # follow the parameter's new dtype, as in torch 2.15 (see FSDPParamGroup
+            # .reset_sharded_params).
+            self.sharded_grad_dtype = self.sharded_param.dtype
         local = _local_tensor(self.sharded_param)
         self._sharding_spec = cast(DTensor, self.sharded_param)._spec
         current = self._sharded_param_data

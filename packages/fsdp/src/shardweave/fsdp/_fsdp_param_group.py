@@ -326,9 +326,15 @@ class FSDPParamGroup:
 
     # --- initialization -----------------------------------------------------------------------
     def reset_sharded_params(self) -> None:
-        """Re-adopt the registered shards (after ``_apply`` or an assign-load)."""
+        """Re-adopt the registered shards (after ``_apply`` or an assign-load). After the
+        first forward the dtypes are resolved again too, so a conversion (``model.double()``)
+        is trained in its new dtype, as torch 2.15 trains it with a ``param_dtype`` (without
+        one every torch release fails in backward: 'Expected out tensor to have dtype
+        double')."""
         for p in self.fsdp_params:
             p.reset_sharded_param()
+        if self._lazy_inited:
+            self._init_mp_dtypes()
 
     def lazy_init(self) -> None:
         if self._lazy_inited:
