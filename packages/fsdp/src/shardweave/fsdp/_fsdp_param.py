@@ -23,7 +23,12 @@ from shardweave.fsdp._fsdp_common import (
 )
 from shardweave.fsdp._fsdp_subclass_gather import detect_subclass_all_gather
 from shardweave.fsdp._param_handler import resolve_param_handler
-from shardweave.fsdp._sharding_rules import padded_shard_size, resolve_dtypes, shard_size
+from shardweave.fsdp._sharding_rules import (
+    grad_made_in,
+    padded_shard_size,
+    resolve_dtypes,
+    shard_size,
+)
 from shardweave.fsdp._spmd_types import SpmdTypesHandler, as_storage_param
 from shardweave.fsdp._torch_compat import has_grad_dtype_override
 from shardweave.mesh import FSDPMeshInfo
@@ -748,17 +753,19 @@ class FSDPParam:
         param = self._unsharded_param
         if param is None or not param.requires_grad:
             return
-        target = self.mp_policy.reduce_dtype or (
-            self.sharded_grad_dtype if self.has_grad_dtype_override else self.orig_dtype
-        )
         compute = self.unsharded_dtype
-        if not (target.is_floating_point and compute.is_floating_point):
+        if not (self.orig_dtype.is_floating_point and compute.is_floating_point):
             return
-        if target.itemsize <= compute.itemsize or self.may_reduce_grad_outside_dp:
-            param.grad_dtype = target
-            return
+        explicit = self.sharded_grad_dtype if self.has_grad_dtype_override else None
         accumulated = param.grad is not None or self.unsharded_accumulated_grad is not None
-        param.grad_dtype = None if sync or accumulated else target
+        widen = self.may_reduce_grad_outside_dp or not (sync or accumulated)
+        made = grad_made_in(
+            self.orig_dtype, compute, self.mp_policy.reduce_dtype, explicit, widen=widen
+        )
+        # None, not the compute dtype, where a wider target is deferred: autograd then adds
+        # the gradient onto a wider accumulated one as it is, as torch 2.15 leaves it.
+        target = self.mp_policy.reduce_dtype or explicit or self.orig_dtype
+        param.grad_dtype = made if made == target else None
 
     def to_accumulated_grad_if_needed(self) -> None:
         """Keep accumulating in ``reduce_dtype`` rather than the (lower) compute dtype."""

@@ -24,6 +24,7 @@ from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 
 __all__ = [
     "chunk_rows",
+    "grad_made_in",
     "group_reduce_dtype",
     "padded_shard_size",
     "reduce_dtype",
@@ -89,3 +90,26 @@ def group_reduce_dtype(
     if len(resolved) == 1:
         return next(iter(resolved))
     return next(iter(arriving), None)
+
+
+def grad_made_in(
+    orig: torch.dtype,
+    compute: torch.dtype,
+    reduce: torch.dtype | None,
+    explicit: torch.dtype | None = None,
+    *,
+    widen: bool = False,
+) -> torch.dtype:
+    """The dtype autograd makes an unsharded gradient in (``FSDPParam``'s
+    ``set_unsharded_grad_dtype``, the planner's fake steps): from torch 2.15
+    (``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE``) the dtype it is reduced or kept in (the policy's
+    ``reduce_dtype``, else an explicit ``grad_dtype``, else the parameter's own) where that
+    is not wider than the compute dtype, or where ``widen`` (the engine: a first gradient
+    without sync, or one a tensor-parallel reduction sums first); else, and before 2.15, the
+    compute dtype (a wider target is then reached by the reduce-scatter's copy-in)."""
+    if not REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE or not (
+        orig.is_floating_point and compute.is_floating_point
+    ):
+        return compute
+    target = reduce or explicit or orig
+    return target if widen or target.itemsize <= compute.itemsize else compute

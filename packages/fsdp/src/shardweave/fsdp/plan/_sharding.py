@@ -9,33 +9,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from shardweave.fsdp._sharding_rules import (
+    grad_made_in,
     padded_shard_size,
     reduce_dtype,
     shard_size,
     unsharded_dtype,
 )
-from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 
 __all__ = ["ParamLayout", "grad_made_in", "layout", "reduce_dtype", "unsharded_dtype"]
-
-
-def grad_made_in(
-    orig: torch.dtype,
-    compute: torch.dtype,
-    reduce: torch.dtype | None,
-    explicit: torch.dtype | None = None,
-) -> torch.dtype:
-    """The dtype autograd makes an unsharded gradient in, with gradient sync
-    (``FSDPParam.set_unsharded_grad_dtype``): from torch 2.15 the dtype it is reduced or kept
-    in (the policy's ``reduce_dtype``, else an explicit ``grad_dtype``, else the parameter's)
-    where that is not wider than the compute dtype; else, and before 2.15, the compute dtype."""
-    if not REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE or not orig.is_floating_point:
-        return compute
-    target = reduce or explicit or orig
-    return target if target.itemsize <= compute.itemsize else compute
 
 
 @dataclass(frozen=True)
