@@ -492,6 +492,21 @@ def op_load_state_dict(assign: bool) -> Callable[[Side, Any], object]:
     return run
 
 
+def op_load_into_trained(assign: bool) -> Callable[[Side, Any], object]:
+    """Load into a model that already took a step (its engine initialized, its shards
+    adopted): the next forward must read the loaded values (torch re-adopts assigned
+    parameters in a ``load_state_dict`` post-hook)."""
+
+    def run(side: Side, obj: Any) -> object:
+        loaded = synced(lambda: _roundtrip_file(obj, weights_only=True))
+        model, opt = side.fresh()
+        train(side.subject, model, opt, range(1))
+        synced(lambda: model.load_state_dict(loaded, assign=assign))
+        return _after_load(side, model)
+
+    return run
+
+
 def op_set_model_state_dict(options: StateDictOptions) -> Callable[[Side, Any], object]:
     def run(side: Side, obj: Any) -> object:
         loaded = synced(lambda: _roundtrip_file(obj, weights_only=True))
@@ -732,6 +747,10 @@ CATALOGUE: Final[list[Line]] = [
     *_copies(STATE_DICT),
     _line(STATE_DICT, "load_state_dict into a fresh model", op_load_state_dict(False)),
     _line(STATE_DICT, "load_state_dict(assign=True)", op_load_state_dict(True)),
+    _line(STATE_DICT, "load_state_dict into a trained model", op_load_into_trained(False)),
+    _line(
+        STATE_DICT, "load_state_dict(assign=True) into a trained model", op_load_into_trained(True)
+    ),
     _line(STATE_DICT, "set_model_state_dict", op_set_model_state_dict(StateDictOptions())),
     _line(STATE_DICT, "dcp.save+load into a fresh model", op_dcp_model),
     *_copies(DCP_SD),

@@ -494,10 +494,15 @@ class FSDPParam:
         return True
 
     # --- all-gather ---------------------------------------------------------------------------
-    def detect_extension(self, mp_policy: MixedPrecisionPolicy) -> None:
+    def detect_extension(self, mp_policy: MixedPrecisionPolicy, renew: bool = False) -> None:
         """Pick the all-gather: the sharded local tensor's own (torch's fsdp_pre/post_all_gather
         protocol, or the ``all_gather`` part of its class's ``PARAM_KINDS`` kind), else the flat
-        one. Called at lazy init, so hooks patched on after ``to_empty`` count."""
+        one. Called at lazy init, so hooks patched on after ``to_empty`` count; ``renew``: again
+        for a shard given new storage after it (an assign-load), dropping what the previous
+        all-gather built (the next unshard builds the unsharded parameter anew)."""
+        if renew:
+            self._all_gather.free()
+            self._unsharded_param = None
         info = self.post_forward_mesh_info
         found = detect_subclass_all_gather(
             self,

@@ -331,10 +331,11 @@ class FSDPParamGroup:
         is trained in its new dtype, as torch 2.15 trains it with a ``param_dtype`` (without
         one every torch release fails in backward: 'Expected out tensor to have dtype
         double')."""
-        for p in self.fsdp_params:
-            p.reset_sharded_param()
+        moved = [p for p in self.fsdp_params if p.reset_sharded_param()]
         if self._lazy_inited:
-            self._init_mp_dtypes()
+            for p in moved:  # new storage: a kind's own all-gather starts over from it
+                p.detect_extension(p.mp_policy, renew=True)
+            self._init_mp_dtypes(detect=False)
 
     def lazy_init(self) -> None:
         if self._lazy_inited:
@@ -346,10 +347,11 @@ class FSDPParamGroup:
         self._register_state_dict_hooks()
         self._lazy_inited = True
 
-    def _init_mp_dtypes(self) -> None:
+    def _init_mp_dtypes(self, detect: bool = True) -> None:
         for p in self.fsdp_params:
             p.init_dtype_attrs(p.mp_policy)
-            p.detect_extension(p.mp_policy)
+            if detect:
+                p.detect_extension(p.mp_policy)
         trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
         orig = {p.orig_dtype for p in trainable}
         if len(orig) > 1:
@@ -406,12 +408,20 @@ class FSDPParamGroup:
             # State dicts hold the sharded DTensors; an unsharded module reshards first.
             self._to_sharded()
 
+        def adopt_loaded(*args: Any) -> None:
+            # load_state_dict(assign=True) registered new parameters: adopt them now, or the
+            # next reshard would put the old ones back (torch re-adopts here too).
+            self.reset_sharded_params()
+
         for module in owners:
             self._state_dict_handles.append(
                 module.register_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
             )
             self._state_dict_handles.append(
                 module._register_load_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]
+            )
+            self._state_dict_handles.append(
+                module.register_load_state_dict_post_hook(adopt_loaded)  # type: ignore[no-untyped-call]
             )
 
     # --- unshard / reshard --------------------------------------------------------------------
