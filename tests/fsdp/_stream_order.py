@@ -52,7 +52,7 @@ WAIT_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     "all-gather-waits-for-optimizer": (
         {},
         "FSDPState._root_pre_forward",
-        ("aten::_foreach_copy_", "aten::add_"),
+        ("aten::cat", "aten::add_"),
     ),
     # Point 2 again: the all-gather stream waits for the copy-in stream, which copies the shards
     # into the output's slot (casting them to bf16 under mixed precision). Without it the
@@ -60,7 +60,7 @@ WAIT_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     "all-gather-waits-for-copy-in": (
         {"mp": True},
         "FSDPParamGroup.unshard",
-        ("c10d::_allgather_base_", "aten::_foreach_copy_"),
+        ("c10d::_allgather_base_", "aten::cat"),
     ),
     # Point 7: at the end of backward the compute stream waits for every post-reduce event.
     # With a bf16 reduction the fp32 gradients are cast on the reduce-scatter stream after the

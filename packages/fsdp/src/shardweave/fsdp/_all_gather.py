@@ -55,7 +55,8 @@ class CopyIn(NamedTuple):
 
 def copy_in_dtype(fsdp_params: Sequence[FSDPParam]) -> torch.dtype | None:
     """The one dtype every parameter is gathered in, when each contributes its own padded
-    shard (the one-op copy-in applies); None otherwise."""
+    shard (the one-op copy-in applies); None otherwise. Fixed between lazy inits: the group
+    keeps it."""
     dtypes = {p.unsharded_dtype for p in fsdp_params}
     if len(dtypes) != 1 or not all(p.gathers_padded_shard for p in fsdp_params):
         return None
@@ -64,21 +65,22 @@ def copy_in_dtype(fsdp_params: Sequence[FSDPParam]) -> torch.dtype | None:
 
 def all_gather_copy_in(
     fsdp_params: Sequence[FSDPParam],
+    dtype: torch.dtype | None,
     device: torch.device,
     into: Callable[[int, torch.dtype], torch.Tensor] | None,
 ) -> CopyIn:
     """Build this rank's 1D all-gather input.
 
-    When every parameter contributes its own padded shard in one dtype (the common case), the
-    shards are copied by one op into ``into(numel, dtype)``, this rank's slot of the
-    all-gather output, casting and moving to the device as they are copied, as torch's FSDP2
-    copies them in (it casts each shard first). A group of one parameter already on the
-    device in its dtype is gathered from its shard itself, with no copy. ``into`` is None when
-    nothing is gathered (one rank per shard, here only for shards off the device or of a kind
-    with its own all-gather): the shards are then staged uncast, as the copy-out casts while
-    it copies (one buffer fewer for the whole group, the bench's world-1 peak).
+    When every parameter contributes its own padded shard in one dtype (``dtype``, from
+    ``copy_in_dtype``; the common case), the shards are copied by one op into ``into(numel,
+    dtype)``, this rank's slot of the all-gather output, casting (and moving to the device)
+    as they are copied, as torch's FSDP2 copies them in (it casts each shard first). A group
+    of one parameter already on the device in its dtype is gathered from its shard itself,
+    with no copy. ``into`` is None when nothing is gathered (one rank per shard, here only
+    for shards off the device or of a kind with its own all-gather): the shards are then
+    staged uncast, as the copy-out casts while it copies (one buffer fewer for the whole
+    group, the bench's world-1 peak).
     """
-    dtype = copy_in_dtype(fsdp_params)
     if dtype is not None:
         sources = [p.all_gather_source() for p in fsdp_params]
         sizes = [t.numel() for t in sources]
@@ -89,9 +91,11 @@ def all_gather_copy_in(
             staged = torch.empty(sum(sizes), dtype=first.dtype, device=device)
         else:
             staged = into(sum(sizes), dtype)
-        torch._foreach_copy_(
-            list(torch.split_with_sizes(staged, sizes)), sources, non_blocking=True
-        )
+        if first.device == device:
+            torch.cat(sources, out=staged)  # one op, the cast included
+        else:  # CPU offload: host-to-device copies, behind the host from pinned memory
+            pieces = list(torch.split_with_sizes(staged, sizes))
+            torch._foreach_copy_(pieces, sources, non_blocking=True)
         return CopyIn(staged, sizes, False, dtype)
     inputs = [t for p in fsdp_params for t in p.all_gather_inputs()]
     dtypes = {t.dtype for t in inputs}

@@ -29,6 +29,7 @@ from shardweave.fsdp._all_gather import (
     CopyOutViews,
     all_gather_copy_in,
     all_gather_copy_out,
+    copy_in_dtype,
 )
 from shardweave.fsdp._comm import (
     DefaultAllGather,
@@ -203,6 +204,7 @@ class FSDPParamGroup:
         self._reduce_dtype: torch.dtype | None = None
         self._sharded_grad_dtype: torch.dtype | None = None
         self._grad_dtype_rank: dict[torch.dtype, int] = {}
+        self._copy_in_dtype: torch.dtype | None = None  # see copy_in_dtype; set at lazy init
         self._state_dict_handles: list[RemovableHandle] = []
         # Controls (FSDPModule setters); defaults as torch's FSDP2.
         self.reduce_grads = True
@@ -374,6 +376,7 @@ class FSDPParamGroup:
         self._reduce_dtype = group_reduce_dtype(
             [(p.orig_dtype, p.param_dtype, p.reduce_dtype) for p in trainable]
         )
+        self._copy_in_dtype = copy_in_dtype(self.fsdp_params)
 
     def _validate_no_meta_params(self) -> None:
         meta = [p.param_fqn for p in self.fsdp_params if p.sharded_param.device.type == "meta"]
@@ -477,7 +480,7 @@ class FSDPParamGroup:
 
         with streams.use(copy_in_stream):
             inp, sizes, as_bytes, gathered_dtype = all_gather_copy_in(
-                self.fsdp_params, self.device, into if gathers else None
+                self.fsdp_params, self._copy_in_dtype, self.device, into if gathers else None
             )
         if _trace.ACTIVE is not None:
             # The gathered bytes in the parameters' dtype (one rank per shard: the input may
