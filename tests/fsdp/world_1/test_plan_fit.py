@@ -22,10 +22,11 @@ from shardweave.fsdp import MixedPrecisionPolicy
 from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from shardweave.fsdp.plan import FitConfig, PlanError, fit, format_fit, parse_budget, plan
 from shardweave.fsdp.plan._apply import checkpoint_blocks
-from shardweave.fsdp.plan._fit import DEVICES, STEP_TERMS, _flops_and_trace
 from shardweave.fsdp.plan._fold import find_fold
 from shardweave.fsdp.plan._model import discover_groups, module_wrap_predicate
 from shardweave.fsdp.plan._plan import group_plans
+from shardweave.fsdp.plan._recording import flops_and_trace
+from shardweave.fsdp.plan._time_model import DEVICES, STEP_TERMS
 
 SAMPLE = ((2, 16), torch.long)
 
@@ -402,8 +403,8 @@ def test_fold_replays_the_full_stream(model: str, wrap: str | None, every: int) 
         specs = specs_of(factory())
     traffic = group_plans(specs, True, False, 4, MixedPrecisionPolicy(), 2, 1, "gloo", False)[1]
     args = (factory, specs_of, traffic, SAMPLE, None, None, wrap, every)
-    folded, flops, stack = _flops_and_trace(*args, fold=True)
-    full, full_flops, no_stack = _flops_and_trace(*args, fold=False)
+    folded, flops, stack = flops_and_trace(*args, fold=True)
+    full, full_flops, no_stack = flops_and_trace(*args, fold=False)
     assert stack is not None and no_stack is None
     assert flops == full_flops > 0
     assert _normalized(folded) == _normalized(full)

@@ -158,7 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main_fit(args: argparse.Namespace) -> int:
-    from shardweave.fsdp.plan._fit import DEVICES, fit, format_fit
+    from shardweave.fsdp.plan._fit import fit
+    from shardweave.fsdp.plan._fit_report import format_fit
+    from shardweave.fsdp.plan._time_model import DEVICES
 
     try:
         sample = _parse_sample(args.sample_input)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardweave.fsdp._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardweave.fsdp._fully_shard import fully_shard
+from shardweave.fsdp.plan._fit_config import DTYPES
 from shardweave.fsdp.plan._model import PlanError
 
 __all__ = ["apply", "checkpoint_blocks"]
@@ -70,9 +70,8 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
         model = apply(build(), result.best)
     """
     cfg = getattr(fitted, "config", fitted)
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
     mp = MixedPrecisionPolicy(
-        param_dtype=dtypes[cfg.param_dtype], reduce_dtype=dtypes[cfg.reduce_dtype]
+        param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
     )
     offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()
     kwargs: dict[str, Any] = {"mp_policy": mp, "offload_policy": offload}
