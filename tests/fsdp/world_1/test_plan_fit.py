@@ -21,6 +21,7 @@ from torch import nn
 from shardweave.fsdp import MixedPrecisionPolicy
 from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
 from shardweave.fsdp.plan import FitConfig, PlanError, fit, format_fit, parse_budget, plan
+from shardweave.fsdp.plan._activations import resolve_step
 from shardweave.fsdp.plan._apply import checkpoint_blocks
 from shardweave.fsdp.plan._fold import find_fold
 from shardweave.fsdp.plan._model import discover_groups, module_wrap_predicate
@@ -402,7 +403,8 @@ def test_fold_replays_the_full_stream(model: str, wrap: str | None, every: int) 
     with torch.device("meta"):
         specs = specs_of(factory())
     traffic = group_plans(specs, True, False, 4, MixedPrecisionPolicy(), 2, 1, "gloo", False)[1]
-    args = (factory, specs_of, traffic, SAMPLE, None, None, wrap, every)
+    step = resolve_step("sum", None, None).run
+    args = (factory, specs_of, traffic, SAMPLE, step, None, wrap, every)
     folded, flops, stack = flops_and_trace(*args, fold=True)
     full, full_flops, no_stack = flops_and_trace(*args, fold=False)
     assert stack is not None and no_stack is None
@@ -479,3 +481,93 @@ def test_label_names_the_reduce_dtype() -> None:
     assert f"mp=bf16/{expected} " in cfg.describe()
     assert "mp=bf16/fp32 " in dataclasses.replace(cfg, reduce_dtype="fp32").describe()
     assert "mp=fp32/fp32 " in dataclasses.replace(cfg, param_dtype=None).describe()
+
+
+# --- the step planned (issue 43, item 1) ---------------------------------------------------------
+# Oracle: plan() with the same step (its own fake step); the step changes what is planned.
+
+
+class LabelsLM(Net):
+    """Takes ``labels`` as transformers' heads do and returns its loss beside the logits (a
+    large vocabulary: the loss's log-softmax and its gradient move the peak)."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab=997)
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor | None]:
+        logits = super().forward(input_ids)
+        loss = None
+        if labels is not None:
+            flat = logits.float().flatten(0, 1)
+            loss = torch.nn.functional.cross_entropy(flat, labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def mse_step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """A user's step: its own loss on the logits (for the CLI's --step)."""
+    return model(batch).float().pow(2).mean()
+
+
+def test_labels_model_plans_its_loss() -> None:
+    """A model taking ``labels`` is planned with them (transformers' step), not with the sum of
+    its first output; the answer names the step; each peak is plan()'s with that step."""
+    kwargs: dict[str, Any] = dict(
+        mesh=2, sample_input=SAMPLE, budget="1GiB", wrap="Block", backend="gloo"
+    )
+    r = fit(LabelsLM, checkpoint_choices=(0,), **kwargs)
+    assert r.step.startswith("labels") and "auto" in r.step
+    assert "step planned: labels" in format_fit(r) and r.to_dict()["step"] == r.step
+    summed = fit(LabelsLM, checkpoint_choices=(0,), step="sum", **kwargs)
+    assert summed.step.startswith("sum")
+    peaks = {f.config: f.peak_bytes for f in r.kept}
+    for f in summed.kept[:2]:
+        cfg = f.config
+        p = {
+            s: plan(
+                LabelsLM,
+                mesh=2,
+                wrap="Block",
+                reshard_after_forward=cfg.reshard_after_forward,
+                root_reshard_after_forward=cfg.root_reshard_after_forward,
+                sample_input=SAMPLE,
+                backend="gloo",
+                step=s,
+            ).activations
+            for s in ("labels", "sum")
+        }
+        assert p["labels"] is not None and p["sum"] is not None
+        assert peaks[cfg] == p["labels"].peak_bytes != p["sum"].peak_bytes == f.peak_bytes
+        assert p["labels"].step == r.step.replace(" (auto: its forward takes labels)", "")
+    with pytest.raises(PlanError, match="not both"):
+        fit(Net, step="sum", loss_fn=lambda o, i: o.sum(), **kwargs)
+
+
+def test_cli_step(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardweave.fsdp.plan.__main__ import main
+
+    base = [
+        "--model",
+        "tests.fsdp.world_1.test_plan_fit:Net",
+        "--mesh",
+        "2",
+        "--sample-input",
+        "2x16:long",
+        "--wrap",
+        "Block",
+        "--backend",
+        "gloo",
+    ]
+    assert (
+        main([*base, "--fit", "1GiB", "--step", "tests.fsdp.world_1.test_plan_fit:mse_step"]) == 0
+    )
+    assert "step planned: tests.fsdp.world_1.test_plan_fit:mse_step(model, batch)" in (
+        capsys.readouterr().out
+    )
+    assert main([*base, "--step", "tests.fsdp.world_1.test_plan_fit:mse_step"]) == 0
+    assert "step planned            tests.fsdp.world_1.test_plan_fit:mse_step" in (
+        capsys.readouterr().out
+    )
+    assert main([*base, "--fit", "1GiB", "--step", "nope"]) == 2
+    assert "--step must be PKG.MODULE:FACTORY" in capsys.readouterr().err

@@ -10,33 +10,41 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
+from shardweave.fsdp.plan._activations import StepFn
 from shardweave.fsdp.plan._model import PlanError
 from shardweave.fsdp.plan._plan import BACKENDS, DTYPE_NAMES, OPTIMIZER_STATES, plan
 from shardweave.fsdp.plan._report import format_table
 
 
-def _load_factory(spec: str) -> Callable[[], nn.Module]:
+def _load_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise PlanError(f"--model must be PKG.MODULE:FACTORY, got {spec!r}")
+        raise PlanError(f"{option} must be PKG.MODULE:FACTORY, got {spec!r}")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # let `demos.x:f` resolve from the current directory
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise PlanError(f"--model: cannot import {module_name!r}: {exc}") from exc
+        raise PlanError(f"{option}: cannot import {module_name!r}: {exc}") from exc
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
-            raise PlanError(f"--model: {module_name!r} has no attribute {attr!r}")
+            raise PlanError(f"{option}: {module_name!r} has no attribute {attr!r}")
         factory = getattr(factory, part)
     if not callable(factory):
-        raise PlanError(f"--model: {spec!r} is not callable")
+        raise PlanError(f"{option}: {spec!r} is not callable")
     return factory
+
+
+def _load_step(spec: str) -> StepFn | str:
+    """``--step``: a built-in (``auto``, ``labels``, ``sum``) or ``PKG.MODULE:FN``."""
+    if spec in ("auto", "labels", "sum"):
+        return spec
+    return _load_factory(spec, "--step")
 
 
 _INT_DTYPES = {"long": torch.long, "int64": torch.long, "int": torch.int32, "int32": torch.int32}
@@ -87,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="SHAPE[:DTYPE] of one step's input (e.g. 8x2048:long): adds the peak with "
         "activations, from one forward and backward under fake tensors",
+    )
+    p.add_argument(
+        "--step",
+        default="auto",
+        help="the step trained, up to its loss: PKG.MODULE:FN with FN(model, batch) -> loss, "
+        "'labels' (transformers: model(input_ids=batch, labels=batch).loss), 'sum' (the first "
+        "floating output summed) or 'auto' (labels where forward takes labels, else sum)",
     )
     p.add_argument("--backend", default="nccl", choices=BACKENDS)
     p.add_argument(
@@ -142,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             backward_prefetch=args.backward_prefetch,
             set_to_none=not args.keep_grads,
             sample_input=_parse_sample(args.sample_input),
+            step=_load_step(args.step),
             backend=args.backend,
             offload=args.offload,
         )
@@ -177,6 +193,7 @@ def _main_fit(args: argparse.Namespace) -> int:
             allow_lower_precision=args.allow_lower_precision,
             optimizer=args.optimizer,
             backend=args.backend,
+            step=_load_step(args.step),
             device=args.device,
             device_flops=args.device_flops,
             shard_link_bytes_per_s=args.shard_link,

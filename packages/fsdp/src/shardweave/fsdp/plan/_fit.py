@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
-from shardweave.fsdp.plan._activations import SampleInput
+from shardweave.fsdp.plan._activations import LossFn, SampleInput, Step, StepFn, resolve_step
 from shardweave.fsdp.plan._fit_config import DTYPES, FitConfig, every_label, reduce_label
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
@@ -117,6 +117,7 @@ class FitResult:
     mesh: tuple[int, ...] = ()
     folded: tuple[str, ...] = ()  # per folded fake step, what ran (``_fold``)
     device: str = ""
+    step: str = ""  # the step planned, up to its loss (``_activations.resolve_step``)
 
     @property
     def best(self) -> Fitted | None:
@@ -135,6 +136,7 @@ class FitResult:
 
         return {
             "budget_bytes": self.budget_bytes,
+            "step": self.step,
             "kept": [row(f) for f in self.kept],
             "searched": self.searched,
             "search_seconds": self.search_seconds,
@@ -160,7 +162,7 @@ class _Problem:
     factory: Callable[[], nn.Module]
     meta_model: nn.Module
     sample: SampleInput
-    loss_fn: Any
+    step: Step
     budget_bytes: int
     dims: tuple[int, ...]
     shard_size: int
@@ -227,7 +229,7 @@ class _Space:
 def _problem(
     factory: Callable[[], nn.Module],
     sample: SampleInput,
-    loss_fn: Any,
+    step: tuple[StepFn | str | None, LossFn | None],
     budget: int | float | str,
     mesh: int | Sequence[int] | str,
     optimizer: str,
@@ -260,11 +262,12 @@ def _problem(
         shard_link or dev.intra_node_bytes_per_s,
         links["host"] or dev.host_bytes_per_s,
     )
+    meta_model = _meta_model(factory)
     return _Problem(
         factory,
-        _meta_model(factory),
+        meta_model,
         sample,
-        loss_fn,
+        resolve_step(*step, meta_model),
         budget_bytes,
         dims,
         shard_size,
@@ -408,7 +411,7 @@ def _fake_steps(problem: _Problem, space: _Space) -> Iterator[_Trace]:
                 specs_of,
                 base_traffic,
                 problem.sample,
-                problem.loss_fn,
+                problem.step.run,
                 mp.param_dtype,
                 w,
                 every,
@@ -523,6 +526,7 @@ def _answer(
         folded=tuple(t.folded for t in traces if t.folded is not None),
         mesh=problem.dims,
         device=problem.device.source,
+        step=problem.step.description,
     )
 
 
@@ -556,7 +560,8 @@ def fit(
     lower_dtype: str = "bf16",
     optimizer: str = "adamw",
     backend: str = "nccl",
-    loss_fn: Any = None,
+    loss_fn: LossFn | None = None,
+    step: StepFn | str | None = None,
     device: str | Device = "h100",
     device_flops: float | None = None,
     shard_link_bytes_per_s: float | None = None,
@@ -574,6 +579,11 @@ def fit(
         mesh: shard size (``1024``) or ``(replicate, shard)`` / ``"8x128"`` for HSDP.
         sample_input: one step's input per rank, ``(shape, dtype)``, a tensor or a factory.
         budget: bytes per rank, or a string such as ``"24GiB"`` (see ``parse_budget``).
+        step: the step trained, up to its loss: ``step(model, batch) -> loss``, ``"labels"``
+            (transformers' models: ``model(input_ids=batch, labels=batch).loss``) or ``"sum"``
+            (the first floating output summed). Default: ``"labels"`` where the model's
+            forward takes ``labels``, else ``"sum"``; ``loss_fn(output, batch)`` instead
+            plans ``model(batch)`` then that loss. ``FitResult.step`` says which was planned.
         wrap: class names to try wrapping (each alone); default: the model's repeated classes
             with parameters, plus wrapping nothing but the root. A name not in the model is
             an error listing the candidates.
@@ -607,7 +617,7 @@ def fit(
     problem = _problem(
         model_factory,
         sample_input,
-        loss_fn,
+        (step, loss_fn),
         budget,
         mesh,
         optimizer,

@@ -23,6 +23,7 @@ def format_fit(result: FitResult, top: int = 5) -> str:
         f"{'x'.join(map(str, result.mesh))}; searched {result.searched} configurations "
         f"({result.fake_steps} fake steps{_folded_note(result.folded)}) in "
         f"{result.search_seconds:.2f} s",
+        f"step planned: {result.step}",
         "search space:",
     ]
     for k, v in result.search_space.items():

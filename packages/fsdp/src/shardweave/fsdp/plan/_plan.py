@@ -18,8 +18,10 @@ from shardweave.fsdp._fsdp_common import CollectiveKind
 from shardweave.fsdp.plan._activations import (
     LossFn,
     SampleInput,
+    StepFn,
     describe_sample,
     fake_mode,
+    resolve_step,
     run_fake_step,
 )
 from shardweave.fsdp.plan._model import (
@@ -194,6 +196,7 @@ def plan(
     set_to_none: bool = True,
     sample_input: SampleInput | None = None,
     loss_fn: LossFn | None = None,
+    step: StepFn | str | None = None,
     backend: str = "nccl",
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     offload: bool = False,
@@ -238,7 +241,12 @@ def plan(
             under fake tensors), or ``(shape, dtype)``. With it the model (a factory) runs one
             forward and backward under fake tensors and ``Plan.activations`` gives the step's
             peak with activations and when it is reached (see ``_activations``).
-        loss_fn: ``loss_fn(output, input)`` for that step; the default sums the output.
+        loss_fn: ``loss_fn(output, input)`` for that step, after ``model(input)``.
+        step: the step trained, up to its loss: ``step(model, batch) -> loss``, or
+            ``"labels"`` (transformers: ``model(input_ids=batch, labels=batch).loss``) or
+            ``"sum"`` (the first floating output summed). Default (with no ``loss_fn``):
+            ``"labels"`` where the model's forward takes ``labels``, else ``"sum"``.
+            ``activations.step`` says which was planned.
         backend: ``"nccl"`` or ``"gloo"`` (which stages collectives in copies of its own,
             counted as communication buffers while the collective is in flight). ``"nccl"``
             replays the engine's accelerator schedule (each gradient reduction runs to its end
@@ -375,13 +383,14 @@ def plan(
             reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
             stream_ordered=backend == "nccl",
         )
+        planned_step = resolve_step(step, loss_fn, model)
         fake = run_fake_step(
             model,
             fake_tensors,
             specs,
             replay,
             sample_input,
-            loss_fn,
+            planned_step.run,
             mp.param_dtype,
             param_dtypes=param_dtypes,
             reduce_dtype=mp.reduce_dtype,
@@ -403,6 +412,7 @@ def plan(
             },
             peaks=dict(fs.peaks),
             seconds=round(fake.seconds, 4),
+            step=planned_step.description,
         )
     ranks = _rank_rows(final, peak - opt0, offload)
     largest = max(final, key=lambda g: g.gathered_bytes).key if final else ""

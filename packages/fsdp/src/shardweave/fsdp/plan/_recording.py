@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from shardweave.fsdp.plan._activations import SampleInput, fake_mode, run_fake_step
+from shardweave.fsdp.plan._activations import SampleInput, StepFn, fake_mode, run_fake_step
 from shardweave.fsdp.plan._apply import checkpoint_blocks
 from shardweave.fsdp.plan._fold import (
     Fold,
@@ -135,7 +135,7 @@ def flops_and_trace(
     specs_of: Callable[[nn.Module], list[GroupSpec]],
     traffic: list[GroupTraffic],
     sample: SampleInput,
-    loss_fn: Any,
+    step: StepFn,
     param_dtype: torch.dtype | None,
     wrap: str | None,
     every: int,
@@ -160,12 +160,12 @@ def flops_and_trace(
     if stack is not None:
         try:
             events = _trace(
-                model, mode, specs, stack, traffic, sample, loss_fn, param_dtype, reduce_dtype
+                model, mode, specs, stack, traffic, sample, step, param_dtype, reduce_dtype
             )
             return events, float(sum(_flops(events))), stack
         except FoldMismatch:
             mode, model, specs = build()  # the cut was made in place: a whole model again
-    events = _trace(model, mode, specs, None, traffic, sample, loss_fn, param_dtype, reduce_dtype)
+    events = _trace(model, mode, specs, None, traffic, sample, step, param_dtype, reduce_dtype)
     return events, float(sum(_flops(events))), None
 
 
@@ -176,7 +176,7 @@ def _trace(
     stack: Fold | None,
     traffic: list[GroupTraffic],
     sample: SampleInput,
-    loss_fn: Any,
+    step: StepFn,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
 ) -> list[tuple[Any, ...]]:
@@ -194,7 +194,7 @@ def _trace(
                 run_specs,
                 rec,
                 sample,
-                loss_fn,
+                step,
                 param_dtype,
                 markers,
                 reduce_dtype=reduce_dtype,

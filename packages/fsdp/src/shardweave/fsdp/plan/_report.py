@@ -177,6 +177,7 @@ def format_table(plan: Plan) -> str:
         lines += [
             "",
             f"with activations (sample input {act.sample_input}; one fake-tensor step)",
+            f"  step planned            {act.step}",
             f"  activations, peak       {format_bytes(act.peak_activation_bytes):>12}",
             f"  peak with activations   {format_bytes(act.peak_bytes):>12}  (at {act.peak_phase}"
             f" of '{act.peak_group}', {act.peak_event}; last shard rank "
