@@ -15,11 +15,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardweave.fsdp.plan import FitConfig, FitResult, apply, fit
+from shardweave.fsdp._fsdp_streams import use_device_module
+from shardweave.fsdp.plan import FitConfig, FitResult, PlanError, apply, fit
 from tests._dist import WorkerPool
 from tests.fsdp._plan_real import (
     GPT_INPUT,
@@ -72,7 +74,7 @@ MODELS: dict[str, tuple[Any, str, tuple[tuple[int, ...], torch.dtype], str, Any]
 
 
 def default(kind: str) -> FitConfig:
-    return FitConfig(MODELS[kind][1], True, False, None, None, 0, False)
+    return FitConfig(MODELS[kind][1], True, False, None, None, 0, False, target="cpu/gloo")
 
 
 def search(world: int, kind: str, budget: int | None = None) -> FitResult:
@@ -117,10 +119,11 @@ def check_fitted(
     kind)`` on ``pool``, fit it and are within 10% of their predictions. Returns the
     unconstrained search."""
     everything = search_for(2**40)
-    budget = int(next(f for f in everything.kept if f.config == default_config).peak_bytes * 0.9)
+    default_row = next(f for f in everything.kept if default_config in (f.config,))
+    budget = int(default_row.peak_bytes * 0.9)
     result = search_for(budget)
     assert result.kept, result.advice
-    assert default_config not in {f.config for f in result.kept}
+    assert default_config not in {c for f in result.kept for c in (f.config,)}
     for fitted in result.kept[:top]:
         peaks = pool.run(measure_fn, dataclasses.asdict(fitted.config), kind)
         for rank, measured in enumerate(peaks):
@@ -133,3 +136,26 @@ def check_fitted(
                 fitted.peak_bytes,
             )
     return everything
+
+
+def apply_on_its_target(rank: int, world: int) -> None:
+    """A configuration planned for cuda/nccl, applied on this cpu/gloo mesh: a PlanError
+    naming both. One planned for cuda/gloo with CPU offload, on the test accelerator (the
+    engine's accelerator branches over CPU tensors, gloo): applied (no pinned memory, which
+    needs a runtime) and trained."""
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = default("mlp")
+    with pytest.raises(PlanError, match=r"planned for cuda/nccl, and is applied on cpu/gloo"):
+        apply(mlp_blocks(), dataclasses.replace(cfg, target="cuda/nccl"), mesh=mesh)
+    with (
+        pytest.raises(PlanError, match=r"planned for cpu/gloo, and is applied on cpu/gloo \(the"),
+        use_device_module(torch.cpu, stream_ordered=True),
+    ):
+        apply(mlp_blocks(), cfg, mesh=mesh)
+    with use_device_module(torch.cpu, stream_ordered=True):
+        model = mlp_blocks()
+        apply(model, dataclasses.replace(cfg, target="cuda/gloo", offload=True), mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batch = make_input("mlp", rank)
+        loss_of("mlp")(model(batch), batch).backward()
+        opt.step()

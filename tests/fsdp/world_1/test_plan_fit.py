@@ -20,7 +20,15 @@ from torch import nn
 
 from shardweave.fsdp import MixedPrecisionPolicy
 from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
-from shardweave.fsdp.plan import FitConfig, PlanError, fit, format_fit, parse_budget, plan
+from shardweave.fsdp.plan import (
+    FitConfig,
+    PlanError,
+    fit,
+    format_fit,
+    format_table,
+    parse_budget,
+    plan,
+)
 from shardweave.fsdp.plan._activations import resolve_step
 from shardweave.fsdp.plan._apply import checkpoint_blocks
 from shardweave.fsdp.plan._fold import find_fold
@@ -97,29 +105,45 @@ def _plan_peak(cfg: FitConfig) -> int:
         reshard_after_forward=cfg.reshard_after_forward,
         root_reshard_after_forward=cfg.root_reshard_after_forward,
         sample_input=SAMPLE,
-        backend="gloo",
+        target=cfg.target,
         offload=cfg.offload,
     )
     assert p.activations is not None
     return p.activations.peak_bytes
 
 
+GLOO = "cpu/gloo"
+
+
 def test_replayed_peaks_equal_plan(searched: Any) -> None:
     """One configuration per searched dimension, each against its own fake step in plan()."""
-    by_cfg = {f.config: f for f in searched.kept}
-    base = FitConfig("Block", True, False, None, None, 0, False)
+    by_cfg = {c: f for f in searched.kept for c in (f.config,)}
+    base = FitConfig("Block", True, False, None, None, 0, False, target=GLOO)
     variants = [
         base,
-        FitConfig("Block", False, False, None, None, 0, False),
-        FitConfig("Block", True, True, None, None, 0, False),
-        FitConfig("Block", True, False, "bf16", "fp32", 0, False),
-        FitConfig("Block", True, False, "bf16", None, 1, False),
-        FitConfig("Block", False, False, None, None, 2, True),
-        FitConfig(None, True, True, None, None, 0, False),
+        dataclasses.replace(base, reshard_after_forward=False),
+        dataclasses.replace(base, root_reshard_after_forward=True),
+        dataclasses.replace(base, param_dtype="bf16", reduce_dtype="fp32"),
+        dataclasses.replace(base, param_dtype="bf16", checkpoint_every=1),
+        dataclasses.replace(base, reshard_after_forward=False, checkpoint_every=2),
+        FitConfig(None, True, True, None, None, 0, False, target=GLOO),
     ]
     for cfg in variants:
         assert cfg in by_cfg, cfg
         assert by_cfg[cfg].peak_bytes == _plan_peak(cfg), cfg
+    # offload, on an accelerator target (the accelerator's schedule, gloo's staging)
+    on_gpus = fit(
+        Net,
+        mesh=2,
+        sample_input=SAMPLE,
+        budget="1GiB",
+        wrap="Block",
+        target="cuda/gloo",
+        checkpoint_choices=(2,),
+    )
+    cfg = FitConfig("Block", False, False, None, None, 2, True, target="cuda/gloo")
+    row = next(f for f in on_gpus.kept if cfg in (f.config,))
+    assert row.peak_bytes == _plan_peak(cfg)
 
 
 def test_ranked_by_step_time_and_fit(searched: Any) -> None:
@@ -141,15 +165,12 @@ def test_ranked_by_step_time_and_fit(searched: Any) -> None:
 
 
 def test_budget_below_default_finds_smaller_and_is_monotone(searched: Any) -> None:
-    default = next(
-        f
-        for f in searched.kept
-        if f.config == FitConfig("Block", True, False, None, None, 0, False)
-    )
+    default_cfg = FitConfig("Block", True, False, None, None, 0, False, target=GLOO)
+    default = next(f for f in searched.kept if default_cfg in (f.config,))
     budget = default.peak_bytes - 1
     tight = fit(Net, mesh=2, sample_input=SAMPLE, budget=budget, wrap="Block", backend="gloo")
     assert tight.kept and all(f.peak_bytes <= budget for f in tight.kept)
-    assert default.config not in {f.config for f in tight.kept}
+    assert default_cfg not in {c for f in tight.kept for c in (f.config,)}
     tighter = fit(
         Net,
         mesh=2,
@@ -433,7 +454,8 @@ def test_latency_and_optimizer_terms() -> None:
             checkpoint_choices=(0,),
             offload_choices=(offload,),
         )
-        row = next(f for f in r.kept if f.config == dataclasses.replace(cfg, offload=offload))
+        want = dataclasses.replace(cfg, offload=offload)
+        row = next(f for f in r.kept if want in (f.config,))
         p = plan(
             Net,
             mesh=16,
@@ -571,3 +593,32 @@ def test_cli_step(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert main([*base, "--fit", "1GiB", "--step", "nope"]) == 2
     assert "--step must be PKG.MODULE:FACTORY" in capsys.readouterr().err
+
+
+# --- the target (issue 43, item 2) ---------------------------------------------------------------
+# Closed form: what is searched and named per target.
+
+
+def test_target_named_and_offload_only_off_the_cpu(tmp_path: Path) -> None:
+    kwargs: dict[str, Any] = dict(
+        mesh=2, sample_input=SAMPLE, budget="1GiB", wrap="Block", checkpoint_choices=(0,)
+    )
+    cpu = fit(Net, backend="gloo", **kwargs)
+    assert cpu.target == "cpu/gloo" == fit(Net, target="cpu", **kwargs).target
+    assert not any(f.config.offload for f in cpu.kept)
+    assert {f.config.target for f in cpu.kept} == {"cpu/gloo"}
+    assert "not searched" in str(cpu.search_space["cpu_offload"])
+    assert format_fit(cpu).startswith("make it fit on cpu/gloo:")
+    assert cpu.to_dict()["target"] == "cpu/gloo"
+    gpus = fit(Net, **kwargs)  # the default, named
+    assert gpus.target == "cuda/nccl" and format_fit(gpus).startswith("make it fit on cuda/nccl:")
+    assert any(f.config.offload for f in gpus.kept)
+    assert fit(Net, target="cuda/gloo", **kwargs).target == "cuda/gloo"
+    nothing = fit(Net, backend="gloo", **{**kwargs, "budget": 1000})
+    assert not nothing.kept and "allow CPU offload" not in " ".join(nothing.advice)
+    assert not nothing.smallest.config.offload
+    for bad in ("cpu/nccl", "tpu/mpi", "cuda/gloo/x"):
+        with pytest.raises(PlanError, match="target"):
+            fit(Net, target=bad, **kwargs)
+    p = plan(Net, mesh=2, wrap="Block", target="cpu/gloo")
+    assert p.inputs["target"] == "cpu/gloo" and "target cpu/gloo" in format_table(p).splitlines()[0]

@@ -10,9 +10,14 @@ from __future__ import annotations
 import pytest
 
 from tests._dist import WorkerPool
-from tests.fsdp._plan_fit_real import check_top
+from tests.fsdp._plan_fit_real import apply_on_its_target, check_top
 
 
 @pytest.mark.parametrize("kind", ["gpt", "demo_gpt", "mlp"])
 def test_fit_top3_train_within_budget_world2(world2: WorkerPool, kind: str) -> None:
     check_top(world2, 2, top=3, kind=kind)
+
+
+def test_apply_on_its_target_only(world2: WorkerPool) -> None:
+    """Oracle: closed form (which target is named, and that the offload configuration trains)."""
+    world2.run(apply_on_its_target)

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from shardweave.fsdp.plan._activations import StepFn
+from shardweave.fsdp.plan._fit_config import BACKENDS
 from shardweave.fsdp.plan._model import PlanError
-from shardweave.fsdp.plan._plan import BACKENDS, DTYPE_NAMES, OPTIMIZER_STATES, plan
+from shardweave.fsdp.plan._plan import DTYPE_NAMES, OPTIMIZER_STATES, plan
 from shardweave.fsdp.plan._report import format_table
 
 
@@ -103,7 +104,18 @@ def _parser() -> argparse.ArgumentParser:
         "'labels' (transformers: model(input_ids=batch, labels=batch).loss), 'sum' (the first "
         "floating output summed) or 'auto' (labels where forward takes labels, else sum)",
     )
-    p.add_argument("--backend", default="nccl", choices=BACKENDS)
+    p.add_argument(
+        "--target",
+        default=None,
+        help="DEVICE[/BACKEND] planned for: cuda/nccl (default), cpu/gloo, cuda/gloo; the "
+        "answer's first line names it",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=BACKENDS,
+        help="without --target: nccl (GPUs), gloo (CPU)",
+    )
     p.add_argument(
         "--offload",
         action="store_true",
@@ -159,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sample_input=_parse_sample(args.sample_input),
             step=_load_step(args.step),
             backend=args.backend,
+            target=args.target,
             offload=args.offload,
         )
     except PlanError as exc:
@@ -193,6 +206,7 @@ def _main_fit(args: argparse.Namespace) -> int:
             allow_lower_precision=args.allow_lower_precision,
             optimizer=args.optimizer,
             backend=args.backend,
+            target=args.target,
             step=_load_step(args.step),
             device=args.device,
             device_flops=args.device_flops,

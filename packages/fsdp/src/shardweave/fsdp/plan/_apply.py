@@ -16,15 +16,17 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardweave.fsdp._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardweave.fsdp._fsdp_streams import stream_ordered
 from shardweave.fsdp._fully_shard import fully_shard
-from shardweave.fsdp.plan._fit_config import DTYPES
+from shardweave.fsdp.plan._fit_config import DTYPES, Target, parse_target
 from shardweave.fsdp.plan._model import PlanError
 
-__all__ = ["apply", "checkpoint_blocks"]
+__all__ = ["applied_target", "apply", "checkpoint_blocks"]
 
 
 def _blocks(model: nn.Module, wrap: str) -> list[nn.Module]:
@@ -61,6 +63,11 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
         fitted: ``FitResult.best`` / any row of ``kept``, or a ``FitConfig``.
         mesh: the ``DeviceMesh`` for ``fully_shard`` (default: the world, as ``fully_shard``).
 
+    Raises:
+        PlanError: the configuration was planned for another target (``FitConfig.target``)
+            than the one it is applied on (the mesh's device type and its process group's
+            backend); the message names both.
+
     Returns:
         ``model``, now an ``FSDPModule``.
 
@@ -70,10 +77,14 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
         model = apply(build(), result.best)
     """
     cfg = getattr(fitted, "config", fitted)
+    _check_target(parse_target(cfg.target), mesh)
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
     )
-    offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()
+    # Pinned host memory where the runtime can pin it (a real accelerator); the test
+    # accelerator's "device" is the host, where pinning needs a runtime there is none of.
+    pin = torch.accelerator.is_available()
+    offload = CPUOffloadPolicy(pin_memory=pin) if cfg.offload else OffloadPolicy()
     kwargs: dict[str, Any] = {"mp_policy": mp, "offload_policy": offload}
     if mesh is not None:
         kwargs["mesh"] = mesh
@@ -88,3 +99,48 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
             fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=cfg.root_reshard_after_forward, **kwargs)
     return model
+
+
+def applied_target(mesh: Any = None) -> tuple[Target, bool]:
+    """The target ``fully_shard`` would run on here: the mesh's device type (default: the
+    current accelerator, else the CPU) and its process group's backend (``"?"`` before
+    ``init_process_group``); and whether the engine takes its accelerator branches there
+    (a CPU device under a stream-ordered device module: the test accelerator)."""
+    import torch.distributed as dist
+
+    if mesh is not None:
+        device = mesh.device_type
+    else:
+        found = (
+            torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        )
+        device = found.type if found is not None else "cpu"
+    backend = "?"
+    if dist.is_available() and dist.is_initialized():
+        group = mesh.get_group(0) if mesh is not None else None
+        named = str(dist.get_backend(group))
+        # a default group over several backends is named "cpu:gloo,cuda:nccl"
+        per_device = dict(part.split(":", 1) for part in named.split(",") if ":" in part)
+        backend = per_device.get(device, named)
+    return Target(device, backend), stream_ordered(device)
+
+
+def _check_target(planned: Target, mesh: Any) -> None:
+    here, accelerator_branches = applied_target(mesh)
+    if accelerator_branches and not here.accelerator:
+        # The test accelerator runs an accelerator's schedule over CPU tensors: it stands for
+        # any accelerator target, and for no CPU one (whose schedule it does not run).
+        device_ok = planned.accelerator
+    else:
+        device_ok = here.device == planned.device
+    backend_ok = here.backend in ("?", planned.backend)
+    if device_ok and backend_ok:
+        return
+    also = ""
+    if accelerator_branches and not here.accelerator:
+        also = " (the engine's accelerator branches over CPU tensors: the test accelerator)"
+    raise PlanError(
+        f"apply: this configuration was planned for {planned}, and is applied on "
+        f"{here}{also}; plan it again for this target (fit(..., target='{here}'), "
+        f"--target {here}) or apply it on {planned}"
+    )

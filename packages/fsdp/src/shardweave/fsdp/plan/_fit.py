@@ -37,7 +37,14 @@ from torch import nn
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
 from shardweave.fsdp.plan._activations import LossFn, SampleInput, Step, StepFn, resolve_step
-from shardweave.fsdp.plan._fit_config import DTYPES, FitConfig, every_label, reduce_label
+from shardweave.fsdp.plan._fit_config import (
+    DTYPES,
+    FitConfig,
+    Target,
+    every_label,
+    parse_target,
+    reduce_label,
+)
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
@@ -45,7 +52,7 @@ from shardweave.fsdp.plan._model import (
     discover_groups,
     module_wrap_predicate,
 )
-from shardweave.fsdp.plan._plan import BACKENDS, OPTIMIZER_STATES, group_plans, parse_mesh
+from shardweave.fsdp.plan._plan import OPTIMIZER_STATES, group_plans, parse_mesh
 from shardweave.fsdp.plan._recording import flops_and_trace, play
 from shardweave.fsdp.plan._report import format_bytes
 from shardweave.fsdp.plan._schedule import Replay
@@ -118,6 +125,7 @@ class FitResult:
     folded: tuple[str, ...] = ()  # per folded fake step, what ran (``_fold``)
     device: str = ""
     step: str = ""  # the step planned, up to its loss (``_activations.resolve_step``)
+    target: str = ""  # the device type and backend planned for (``Target``)
 
     @property
     def best(self) -> Fitted | None:
@@ -135,6 +143,7 @@ class FitResult:
             }
 
         return {
+            "target": self.target,
             "budget_bytes": self.budget_bytes,
             "step": self.step,
             "kept": [row(f) for f in self.kept],
@@ -168,7 +177,7 @@ class _Problem:
     shard_size: int
     replicate_size: int
     states: int
-    backend: str
+    target: Target
     device: Device
     device_flops: float | None
     links: Links
@@ -197,7 +206,9 @@ class _Space:
                 [p or "model dtype", reduce_label(p, r, "model dtype")] for p, r in self.precisions
             ],
             "activation_checkpointing": [every_label(k) for k in self.checkpoints],
-            "cpu_offload": list(self.offloads),
+            "cpu_offload": list(self.offloads)
+            if problem.target.accelerator
+            else "not searched: on a CPU target the host is the device, offload moves nothing off it",
             "not searched (fixed)": {
                 "forward_prefetch": 0,
                 "backward_prefetch": 1,
@@ -233,7 +244,7 @@ def _problem(
     budget: int | float | str,
     mesh: int | Sequence[int] | str,
     optimizer: str,
-    backend: str,
+    target: Target,
     device: str | Device,
     device_flops: float | None,
     links: dict[str, float | None],
@@ -243,8 +254,6 @@ def _problem(
     budget_bytes = parse_budget(budget)
     dims = parse_mesh(mesh)
     shard_size, replicate_size = dims[-1], (dims[0] if len(dims) == 2 else 1)
-    if backend not in BACKENDS:
-        raise PlanError(f"fit: backend must be one of {BACKENDS}, got {backend!r}")
     states = OPTIMIZER_STATES[optimizer.lower().replace("-", "_")]
     dev = DEVICES[device] if isinstance(device, str) else device
     shard_link = links["shard"]
@@ -273,7 +282,7 @@ def _problem(
         shard_size,
         replicate_size,
         states,
-        backend,
+        target,
         dev,
         device_flops,
         link_numbers,
@@ -327,13 +336,15 @@ def _search_space(
     precisions: list[tuple[str | None, str | None]] = [(None, None)]
     if allow_lower_precision:
         precisions += [(lower_dtype, "fp32"), (lower_dtype, None)]
+    # Offload moves bytes off the device only where the device is not the host.
+    offloads = tuple(offload_choices) if problem.target.accelerator else (False,)
     return _Space(
         wraps=tuple(wraps),
         reshards=tuple(reshards),
         root_reshards=(False, True),
         precisions=tuple(precisions),
         checkpoints=tuple(checkpoint_choices),
-        offloads=tuple(offload_choices),
+        offloads=offloads,
         lower_allowed=allow_lower_precision,
     )
 
@@ -403,7 +414,7 @@ def _fake_steps(problem: _Problem, space: _Space) -> Iterator[_Trace]:
                 mp,
                 problem.states,
                 problem.replicate_size,
-                problem.backend,
+                problem.target.backend,
                 False,
             )[1]
             events, flops, stack = flops_and_trace(
@@ -460,6 +471,7 @@ def _replays(problem: _Problem, space: _Space, trace: _Trace) -> Iterator[Fitted
             reduce_dtype=trace.precision[1],
             checkpoint_every=trace.checkpoint_every,
             offload=offload,
+            target=str(problem.target),
         )
         yield _replay(problem, trace, cfg)
 
@@ -474,10 +486,10 @@ def _replay(problem: _Problem, trace: _Trace, cfg: FitConfig) -> Fitted:
         trace.mp,
         problem.states,
         problem.replicate_size,
-        problem.backend,
+        problem.target.backend,
         cfg.offload,
     )
-    replay = Replay(traffic, keep_timeline=False, stream_ordered=problem.backend == "nccl")
+    replay = Replay(traffic, keep_timeline=False, stream_ordered=problem.target.accelerator)
     play(replay, trace.events)
     held = 0
     if not cfg.offload:
@@ -513,7 +525,7 @@ def _answer(
     smallest = min(rows, key=lambda f: f.peak_bytes) if rows else None
     advice: list[str] = []
     if not kept and smallest is not None:
-        advice = _advice(smallest, budget, problem.shard_size, space)
+        advice = _advice(smallest, budget, problem, space)
     return FitResult(
         budget_bytes=budget,
         kept=tuple(kept),
@@ -527,10 +539,13 @@ def _answer(
         mesh=problem.dims,
         device=problem.device.source,
         step=problem.step.description,
+        target=str(problem.target),
     )
 
 
-def _advice(smallest: Fitted, budget: int, shard_size: int, space: _Space) -> list[str]:
+def _advice(smallest: Fitted, budget: int, problem: _Problem, space: _Space) -> list[str]:
+    """What would make it fit; each item applies on the target (no offload on a CPU one)."""
+    shard_size = problem.shard_size
     over = smallest.peak_bytes - budget
     out = [
         f"nothing fits {format_bytes(budget)}: the smallest peak found is "
@@ -542,7 +557,7 @@ def _advice(smallest: Fitted, budget: int, shard_size: int, space: _Space) -> li
         "optimizer state (activations per rank stay)"
     )
     out.append("a smaller sample input (fewer sequences or tokens per rank) shrinks activations")
-    if True not in space.offloads:
+    if True not in space.offloads and problem.target.accelerator:
         out.append("allow CPU offload (params, grads and optimizer state in host memory)")
     if not space.lower_allowed:
         out.append("allow lower precision (--allow-lower-precision: bf16 parameters)")
@@ -559,7 +574,8 @@ def fit(
     allow_lower_precision: bool = False,
     lower_dtype: str = "bf16",
     optimizer: str = "adamw",
-    backend: str = "nccl",
+    backend: str | None = None,
+    target: str | Target | None = None,
     loss_fn: LossFn | None = None,
     step: StepFn | str | None = None,
     device: str | Device = "h100",
@@ -578,6 +594,11 @@ def fit(
         model_factory: zero-argument callable building the model (built under fake tensors).
         mesh: shard size (``1024``) or ``(replicate, shard)`` / ``"8x128"`` for HSDP.
         sample_input: one step's input per rank, ``(shape, dtype)``, a tensor or a factory.
+        target: the device type and backend planned for (``Target``): ``"cuda/nccl"`` (the
+            default), ``"cpu/gloo"``, ``"cuda/gloo"``; ``backend="gloo"`` alone is
+            ``"cpu/gloo"``. Named in the answer's first line and in every kept
+            ``FitConfig``, which ``apply`` applies on that target only. CPU offload is
+            searched only on an accelerator (on the CPU it moves nothing off the device).
         budget: bytes per rank, or a string such as ``"24GiB"`` (see ``parse_budget``).
         step: the step trained, up to its loss: ``step(model, batch) -> loss``, ``"labels"``
             (transformers' models: ``model(input_ids=batch, labels=batch).loss``) or ``"sum"``
@@ -593,7 +614,7 @@ def fit(
             ``device_flops`` and the ``*_bytes_per_s`` arguments override single numbers.
         checkpoint_choices: activation checkpointing per wrapped block: 0 none, 1 every block,
             k every k-th block.
-        offload_choices: CPU offload off/on.
+        offload_choices: CPU offload off/on (an accelerator target only).
         fold: run each fake step over a few blocks of the model's largest stack of alike
             blocks and repeat their recorded events for the rest (``_fold``: exact, checked,
             and undone when the kept blocks do not repeat); False runs every block.
@@ -621,7 +642,7 @@ def fit(
         budget,
         mesh,
         optimizer,
-        backend,
+        parse_target(target, backend),
         device,
         device_flops,
         links,

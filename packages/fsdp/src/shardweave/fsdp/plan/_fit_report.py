@@ -19,7 +19,7 @@ def _folded_note(folded: Sequence[str]) -> str:
 
 def format_fit(result: FitResult, top: int = 5) -> str:
     lines = [
-        f"make it fit: budget {format_bytes(result.budget_bytes)} per rank, mesh "
+        f"make it fit on {result.target}: budget {format_bytes(result.budget_bytes)} per rank, mesh "
         f"{'x'.join(map(str, result.mesh))}; searched {result.searched} configurations "
         f"({result.fake_steps} fake steps{_folded_note(result.folded)}) in "
         f"{result.search_seconds:.2f} s",

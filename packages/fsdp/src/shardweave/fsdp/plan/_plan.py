@@ -24,6 +24,7 @@ from shardweave.fsdp.plan._activations import (
     resolve_step,
     run_fake_step,
 )
+from shardweave.fsdp.plan._fit_config import BACKENDS, Target, parse_target
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
@@ -70,11 +71,6 @@ _SHORT: Final[dict[torch.dtype, str]] = {
 }
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
-
-# Collective backends whose collectives stage data in tensors of their own while they run:
-# gloo copies an all-gather's output and a reduce-scatter's input, and reduces bf16/fp16 in
-# fp32 (measured on torch 2.13's ProcessGroupGloo). NCCL works in the given buffers.
-BACKENDS: Final = ("nccl", "gloo")
 
 
 def parse_mesh(mesh: int | Sequence[int] | str) -> tuple[int, ...]:
@@ -197,7 +193,8 @@ def plan(
     sample_input: SampleInput | None = None,
     loss_fn: LossFn | None = None,
     step: StepFn | str | None = None,
-    backend: str = "nccl",
+    backend: str | None = None,
+    target: str | Target | None = None,
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     offload: bool = False,
     reduce_scatter_max_input_buffers: int = 1,
@@ -247,11 +244,13 @@ def plan(
             ``"sum"`` (the first floating output summed). Default (with no ``loss_fn``):
             ``"labels"`` where the model's forward takes ``labels``, else ``"sum"``.
             ``activations.step`` says which was planned.
-        backend: ``"nccl"`` or ``"gloo"`` (which stages collectives in copies of its own,
-            counted as communication buffers while the collective is in flight). ``"nccl"``
-            replays the engine's accelerator schedule (each gradient reduction runs to its end
-            when started, ordered by events), ``"gloo"`` its CPU one (waits at later
-            post-backwards).
+        backend: without ``target``, ``"nccl"`` (GPUs) or ``"gloo"`` (CPU processes).
+        target: the device type and backend planned for (``Target``): ``"cuda/nccl"`` (the
+            default), ``"cpu/gloo"``, ``"cuda/gloo"``; the report's first line names it. An
+            accelerator replays the engine's accelerator schedule (each gradient reduction
+            runs to its end when started, ordered by events), the CPU its CPU one (waits at
+            later post-backwards); gloo stages collectives in copies of its own, counted as
+            communication buffers while the collective is in flight.
         shard_placement_fn: as ``fully_shard``'s: ``Shard(dim)`` or ``None`` (dim 0) per
             parameter; a dim other than 0 must be divisible by the shard size, and costs a
             scratch copy at each copy-out and a re-laid-out gradient at each reduce-scatter.
@@ -285,8 +284,10 @@ def plan(
     if forward_prefetch < 0 or backward_prefetch < 1:
         raise PlanError("plan: forward_prefetch must be >= 0 and backward_prefetch >= 1")
     states = OPTIMIZER_STATES[optimizer.lower().replace("-", "_")]
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise PlanError(f"plan: backend must be one of {BACKENDS}, got {backend!r}")
+    planned_for = parse_target(target, backend)
+    backend = planned_for.backend
     mp = parse_mp(mp_policy, reduce_dtype)
     block_reshard = parse_reshard(reshard_after_forward)
     root_reshard = parse_reshard(root_reshard_after_forward)
@@ -334,7 +335,7 @@ def plan(
         backward_prefetch=backward_prefetch,
         set_to_none=set_to_none,
         reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
-        stream_ordered=backend == "nccl",
+        stream_ordered=planned_for.accelerator,
     )
     final: list[GroupPlan] = []
     for gp in groups:
@@ -381,7 +382,7 @@ def plan(
             set_to_none=set_to_none,
             keep_timeline=False,
             reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
-            stream_ordered=backend == "nccl",
+            stream_ordered=planned_for.accelerator,
         )
         planned_step = resolve_step(step, loss_fn, model)
         fake = run_fake_step(
@@ -433,6 +434,7 @@ def plan(
         "backward_prefetch": backward_prefetch,
         "set_to_none": set_to_none,
         "backend": backend,
+        "target": str(planned_for),
         "offload": offload,
         "sample_input": None if sample_input is None else describe_sample(sample_input),
     }

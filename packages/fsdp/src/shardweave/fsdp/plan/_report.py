@@ -146,7 +146,7 @@ def format_table(plan: Plan) -> str:
         f"shardweave plan: {_numel(plan.total_numel)} params in {len(plan.groups)} groups, mesh "
         f"{mesh} {kind}, tp {plan.inputs['tp']}, world {plan.world_size}; mp {mp}; "
         f"reshard_after_forward {plan.inputs['reshard_after_forward']}; optimizer "
-        f"{plan.inputs['optimizer']}",
+        f"{plan.inputs['optimizer']}; target {plan.inputs['target']}",
         "",
         "per rank (shard rank 0; the last shard rank differs only in optimizer state)",
         f"  sharded params          {format_bytes(plan.sharded_param_bytes):>12}",
