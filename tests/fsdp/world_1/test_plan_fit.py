@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from dataclasses import asdict, astuple
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,7 @@ GLOO = "cpu/gloo"
 
 def test_replayed_peaks_equal_plan(searched: Any) -> None:
     """One configuration per searched dimension, each against its own fake step in plan()."""
-    by_cfg = {c: f for f in searched.kept for c in (f.config,)}
+    by_cfg = {c: f for f in searched.kept for c in (f.config, *f.alternatives)}
     base = FitConfig("Block", True, False, None, None, 0, False, target=GLOO)
     variants = [
         base,
@@ -142,7 +143,7 @@ def test_replayed_peaks_equal_plan(searched: Any) -> None:
         checkpoint_choices=(2,),
     )
     cfg = FitConfig("Block", False, False, None, None, 2, True, target="cuda/gloo")
-    row = next(f for f in on_gpus.kept if cfg in (f.config,))
+    row = next(f for f in on_gpus.kept if cfg in (f.config, *f.alternatives))
     assert row.peak_bytes == _plan_peak(cfg)
 
 
@@ -166,11 +167,11 @@ def test_ranked_by_step_time_and_fit(searched: Any) -> None:
 
 def test_budget_below_default_finds_smaller_and_is_monotone(searched: Any) -> None:
     default_cfg = FitConfig("Block", True, False, None, None, 0, False, target=GLOO)
-    default = next(f for f in searched.kept if default_cfg in (f.config,))
+    default = next(f for f in searched.kept if default_cfg in (f.config, *f.alternatives))
     budget = default.peak_bytes - 1
     tight = fit(Net, mesh=2, sample_input=SAMPLE, budget=budget, wrap="Block", backend="gloo")
     assert tight.kept and all(f.peak_bytes <= budget for f in tight.kept)
-    assert default_cfg not in {c for f in tight.kept for c in (f.config,)}
+    assert default_cfg not in {c for f in tight.kept for c in (f.config, *f.alternatives)}
     tighter = fit(
         Net,
         mesh=2,
@@ -455,7 +456,7 @@ def test_latency_and_optimizer_terms() -> None:
             offload_choices=(offload,),
         )
         want = dataclasses.replace(cfg, offload=offload)
-        row = next(f for f in r.kept if want in (f.config,))
+        row = next(f for f in r.kept if want in (f.config, *f.alternatives))
         p = plan(
             Net,
             mesh=16,
@@ -622,3 +623,39 @@ def test_target_named_and_offload_only_off_the_cpu(tmp_path: Path) -> None:
             fit(Net, target=bad, **kwargs)
     p = plan(Net, mesh=2, wrap="Block", target="cpu/gloo")
     assert p.inputs["target"] == "cpu/gloo" and "target cpu/gloo" in format_table(p).splitlines()[0]
+
+
+# --- twins folded (issue 43, item 3) -------------------------------------------------------------
+
+
+def test_twins_are_one_row() -> None:
+    """Closed form: configurations with the same peak and step time that differ in one setting
+    are one row listing the others; every fitting configuration is a row or an alternative.
+    Compute dominates here (a slow device), so the root's extra all-gather is hidden: the root's
+    resharding changes neither peak nor time for most configurations."""
+    searched = fit(
+        Net,
+        mesh=2,
+        sample_input=SAMPLE,
+        budget="1GiB",
+        wrap="Block",
+        backend="gloo",
+        device_flops=1e6,
+        allow_lower_precision=True,
+    )
+    rows = searched.kept
+    assert any(f.alternatives for f in rows)
+    assert sum(1 + len(f.alternatives) for f in rows) == searched.searched  # all fit 1 GiB
+    for f in rows:
+        assert all(alt for alt in f.alternative_settings())
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            if (a.peak_bytes, a.step_seconds) == (b.peak_bytes, b.step_seconds):
+                apart = sum(x != y for x, y in zip(astuple(a.config), astuple(b.config)))
+                assert apart > 1, (a.config, b.config)
+    twin = next(f for f in rows if f.alternatives)
+    assert {"root_reshard_after_forward": True} in twin.alternative_settings()
+    text = format_fit(searched, top=len(rows))
+    assert "(the same peak and time with root_reshard_after_forward=True)" in text
+    row = next(r for r in searched.to_dict()["kept"] if r["config"] == asdict(twin.config))
+    assert row["alternatives"] == twin.alternative_settings()

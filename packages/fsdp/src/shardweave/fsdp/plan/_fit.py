@@ -29,7 +29,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass, replace
 from typing import Any, Final
 
 import torch
@@ -106,9 +106,18 @@ class Fitted:
     step_seconds: float
     terms: dict[str, float]  # STEP_TERMS and comm (seconds), flops
     dominant: str
+    # Twins: configurations with this peak and step time that differ from ``config`` in one
+    # setting only (which then changes neither): one row, these its alternatives.
+    alternatives: tuple[FitConfig, ...] = ()
 
     def margin(self, budget: int) -> int:
         return budget - self.peak_bytes
+
+    def alternative_settings(self) -> list[dict[str, object]]:
+        """Each alternative as the settings it changes, e.g. ``{"root_reshard_after_forward":
+        True}``."""
+        mine = asdict(self.config)
+        return [{k: v for k, v in asdict(alt).items() if mine[k] != v} for alt in self.alternatives]
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,7 @@ class FitResult:
                 "margin_bytes": self.budget_bytes - f.peak_bytes,
                 "terms_seconds": f.terms,
                 "dominant": f.dominant,
+                "alternatives": f.alternative_settings(),
             }
 
         return {
@@ -519,8 +529,11 @@ def _answer(
 ) -> FitResult:
     """What fits, fastest first (ties: the smaller peak), or the smallest peak and advice."""
     budget = problem.budget_bytes
-    kept = sorted(
-        (f for f in rows if f.peak_bytes <= budget), key=lambda f: (f.step_seconds, f.peak_bytes)
+    kept = _fold_twins(
+        sorted(
+            (f for f in rows if f.peak_bytes <= budget),
+            key=lambda f: (f.step_seconds, f.peak_bytes),
+        )
     )
     smallest = min(rows, key=lambda f: f.peak_bytes) if rows else None
     advice: list[str] = []
@@ -540,6 +553,33 @@ def _answer(
         device=problem.device.source,
         step=problem.step.description,
         target=str(problem.target),
+    )
+
+
+def _fold_twins(ranked: list[Fitted]) -> list[Fitted]:
+    """Rows with the same peak and step time whose configurations differ in one setting only
+    are one row (the first in the search's order), the others listed as its alternatives;
+    twins of an alternative join its row too (several settings may each change nothing)."""
+    rows: list[Fitted] = []
+    by_cost: dict[tuple[int, float], list[int]] = {}
+    for f in ranked:
+        cost = (f.peak_bytes, f.step_seconds)
+        twin = next((i for i in by_cost.get(cost, []) if _one_apart(rows[i], f.config)), None)
+        if twin is None:
+            by_cost.setdefault(cost, []).append(len(rows))
+            rows.append(f)
+        else:
+            first = rows[twin]
+            rows[twin] = replace(first, alternatives=(*first.alternatives, f.config))
+    return rows
+
+
+def _one_apart(row: Fitted, cfg: FitConfig) -> bool:
+    """``cfg`` differs from the row's configuration, or from one of its alternatives, in one
+    setting only."""
+    return any(
+        sum(a != b for a, b in zip(astuple(c), astuple(cfg), strict=True)) == 1
+        for c in (row.config, *row.alternatives)
     )
 
 

@@ -31,7 +31,12 @@ def format_fit(result: FitResult, top: int = 5) -> str:
     if not result.kept:
         lines += ["", *result.advice]
         return "\n".join(lines)
-    lines += ["", f"{len(result.kept)} fit; fastest first (step time is an estimate):"]
+    twins = sum(len(f.alternatives) for f in result.kept)
+    also = f" ({twins} more as alternatives of a row)" if twins else ""
+    lines += [
+        "",
+        f"{len(result.kept)} fit{also}; fastest first (step time is an estimate):",
+    ]
     for i, f in enumerate(result.kept[:top]):
         t = f.terms
         lines.append(
@@ -42,6 +47,11 @@ def format_fit(result: FitResult, top: int = 5) -> str:
             f"{f.dominant} dominates]"
         )
         lines.append(f"     {f.config.describe()}")
+        if f.alternatives:
+            same = "; ".join(
+                ", ".join(f"{k}={v}" for k, v in alt.items()) for alt in f.alternative_settings()
+            )
+            lines.append(f"     (the same peak and time with {same})")
     best = result.kept[0]
     lines += ["", "the winner as code:", snippet(best.config)]
     return "\n".join(lines)
