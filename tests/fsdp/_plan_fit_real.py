@@ -73,8 +73,10 @@ MODELS: dict[str, tuple[Any, str, tuple[tuple[int, ...], torch.dtype], str, Any]
 }
 
 
-def default(kind: str) -> FitConfig:
-    return FitConfig(MODELS[kind][1], True, False, None, None, 0, False, target="cpu/gloo")
+def default(kind: str, world: int = 2) -> FitConfig:
+    return FitConfig(
+        MODELS[kind][1], True, False, None, None, 0, False, target="cpu/gloo", mesh=(world,)
+    )
 
 
 def search(world: int, kind: str, budget: int | None = None) -> FitResult:
@@ -103,7 +105,9 @@ def measure(rank: int, world: int, cfg: dict[str, Any], kind: str) -> int:
 
 
 def check_top(pool: WorkerPool, world: int, top: int, kind: str = "gpt") -> None:
-    check_fitted(pool, functools.partial(search, world, kind), default(kind), measure, kind, top)
+    check_fitted(
+        pool, functools.partial(search, world, kind), default(kind, world), measure, kind, top
+    )
 
 
 def check_fitted(

@@ -108,7 +108,9 @@ def _search(world: int, kind: str, budget: int) -> Any:
 
 def check_top(pool: WorkerPool, kind: str, top: int) -> None:
     world = pool.world_size
-    default = FitConfig(MODELS[kind][1], True, False, None, None, 0, False, target="cpu/gloo")
+    default = FitConfig(
+        MODELS[kind][1], True, False, None, None, 0, False, target="cpu/gloo", mesh=(world,)
+    )
     everything = check_fitted(
         pool, functools.partial(_search, world, kind), default, _measure, kind, top
     )

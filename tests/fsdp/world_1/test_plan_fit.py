@@ -33,6 +33,7 @@ from shardweave.fsdp.plan import (
 from shardweave.fsdp.plan._activations import resolve_step
 from shardweave.fsdp.plan._apply import checkpoint_blocks
 from shardweave.fsdp.plan._fold import find_fold
+from shardweave.fsdp.plan._layouts import layouts, microbatches
 from shardweave.fsdp.plan._model import discover_groups, module_wrap_predicate
 from shardweave.fsdp.plan._plan import group_plans
 from shardweave.fsdp.plan._recording import flops_and_trace
@@ -119,7 +120,7 @@ GLOO = "cpu/gloo"
 def test_replayed_peaks_equal_plan(searched: Any) -> None:
     """One configuration per searched dimension, each against its own fake step in plan()."""
     by_cfg = {c: f for f in searched.kept for c in (f.config, *f.alternatives)}
-    base = FitConfig("Block", True, False, None, None, 0, False, target=GLOO)
+    base = FitConfig("Block", True, False, None, None, 0, False, target=GLOO, mesh=(2,))
     variants = [
         base,
         dataclasses.replace(base, reshard_after_forward=False),
@@ -127,7 +128,7 @@ def test_replayed_peaks_equal_plan(searched: Any) -> None:
         dataclasses.replace(base, param_dtype="bf16", reduce_dtype="fp32"),
         dataclasses.replace(base, param_dtype="bf16", checkpoint_every=1),
         dataclasses.replace(base, reshard_after_forward=False, checkpoint_every=2),
-        FitConfig(None, True, True, None, None, 0, False, target=GLOO),
+        FitConfig(None, True, True, None, None, 0, False, target=GLOO, mesh=(2,)),
     ]
     for cfg in variants:
         assert cfg in by_cfg, cfg
@@ -142,7 +143,7 @@ def test_replayed_peaks_equal_plan(searched: Any) -> None:
         target="cuda/gloo",
         checkpoint_choices=(2,),
     )
-    cfg = FitConfig("Block", False, False, None, None, 2, True, target="cuda/gloo")
+    cfg = FitConfig("Block", False, False, None, None, 2, True, target="cuda/gloo", mesh=(2,))
     row = next(f for f in on_gpus.kept if cfg in (f.config, *f.alternatives))
     assert row.peak_bytes == _plan_peak(cfg)
 
@@ -166,7 +167,7 @@ def test_ranked_by_step_time_and_fit(searched: Any) -> None:
 
 
 def test_budget_below_default_finds_smaller_and_is_monotone(searched: Any) -> None:
-    default_cfg = FitConfig("Block", True, False, None, None, 0, False, target=GLOO)
+    default_cfg = FitConfig("Block", True, False, None, None, 0, False, target=GLOO, mesh=(2,))
     default = next(f for f in searched.kept if default_cfg in (f.config, *f.alternatives))
     budget = default.peak_bytes - 1
     tight = fit(Net, mesh=2, sample_input=SAMPLE, budget=budget, wrap="Block", backend="gloo")
@@ -444,7 +445,7 @@ def test_latency_and_optimizer_terms() -> None:
     assert h100.ring_latency(8, 1) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
     assert h100.ring_latency(16, 2) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 9.6e-6)
     assert h100.ring_latency(4, 4, all_reduce=True) == pytest.approx(8.4e-6 + 6 * 9.6e-6)
-    cfg = FitConfig("Block", True, False, None, None, 0, False)
+    cfg = FitConfig("Block", True, False, None, None, 0, False, mesh=(16,))
     for offload in (False, True):
         r = fit(
             Net,
@@ -659,3 +660,83 @@ def test_twins_are_one_row() -> None:
     assert "(the same peak and time with root_reshard_after_forward=True)" in text
     row = next(r for r in searched.to_dict()["kept"] if r["config"] == asdict(twin.config))
     assert row["alternatives"] == twin.alternative_settings()
+
+
+# --- layouts and microbatches (issue 43, item 4) -------------------------------------------------
+# Oracle: plan() on each kept row's mesh and local batch (set_to_none=False for the last of
+# several microbatches: the accumulated sharded gradients are there from its start); closed
+# forms for the shapes searched and the accumulation's time.
+
+
+def test_layouts_searched_within_a_node_first() -> None:
+    h100 = DEVICES["h100"]
+    found = layouts((1024,), h100, True, dict.fromkeys(("shard", "replicate", "host")))
+    assert [x.label for x in found] == [
+        "1024 (FSDP)",
+        *(f"{1024 // s}x{s} (HSDP)" for s in (8, 4, 2, 1, 16, 32, 64, 128, 256, 512)),
+    ]
+    links = {x.dims: x.links for x in found}
+    assert links[(128, 8)].shard_bw == h100.intra_node_bytes_per_s
+    assert links[(128, 8)].repl_bw == links[(64, 16)].shard_bw == h100.inter_node_bytes_per_s
+    one_node = layouts((8,), h100, True, dict.fromkeys(("shard", "replicate", "host")))
+    assert [x.dims for x in one_node] == [(8,), (2, 4), (4, 2), (8, 1)]
+    assert one_node[1].links.repl_bw == h100.intra_node_bytes_per_s  # the mesh is one node
+    assert microbatches(64, 8, SAMPLE) == ((8, 1), (4, 2), (2, 4), (1, 8))
+    with pytest.raises(PlanError, match="multiple of the 8 ranks"):
+        microbatches(12, 8, SAMPLE)
+
+
+def test_fit_chooses_layout_and_microbatch() -> None:
+    r = fit(
+        Net,
+        mesh=8,
+        sample_input=SAMPLE,
+        budget="1GiB",
+        wrap="Block",
+        global_batch=32,
+        checkpoint_choices=(0,),
+        offload_choices=(False,),
+    )
+    rows = [c for f in r.kept for c in (f.config, *f.alternatives)]
+    assert {c.mesh for c in rows} == {(8,), (2, 4), (4, 2), (8, 1)}
+    assert {(c.local_batch, c.grad_accumulation) for c in rows} == {(4, 1), (2, 2), (1, 4)}
+    assert "layout (replicate x shard)" in r.search_space and r.to_dict()["global_batch"] == 32
+    text = format_fit(r)
+    assert text.splitlines()[0].startswith("make it fit on cuda/nccl: budget 1.00 GiB per rank, 8 ")
+    by_cfg = {c: f for f in r.kept for c in (f.config, *f.alternatives)}
+    picked = [
+        next(c for c in rows if c.mesh == (2, 4) and c.grad_accumulation == 2),
+        next(c for c in rows if c.mesh == (8,) and c.grad_accumulation == 4),
+        next(c for c in rows if c.mesh == (4, 2) and c.grad_accumulation == 1),
+    ]
+    for cfg in picked:
+        p = plan(
+            Net,
+            mesh=cfg.mesh,
+            wrap="Block",
+            reshard_after_forward=cfg.reshard_after_forward,
+            root_reshard_after_forward=cfg.root_reshard_after_forward,
+            sample_input=((cfg.local_batch, SAMPLE[0][1]), SAMPLE[1]),
+            set_to_none=cfg.grad_accumulation == 1,
+        )
+        assert p.activations is not None
+        assert by_cfg[cfg].peak_bytes == p.activations.peak_bytes, cfg
+    # accumulation: the same FLOPs per optimizer step, more collectives
+    one = by_cfg[dataclasses.replace(picked[1], local_batch=4, grad_accumulation=1)]
+    four = by_cfg[picked[1]]
+    assert four.terms["flops"] == one.terms["flops"]
+    assert four.terms["comm"] > one.terms["comm"] and four.step_seconds > one.step_seconds
+    assert "model.set_requires_all_reduce(i == 1)" in "\n".join(picked[0].how_to_run())
+    assert picked[2].how_to_run() == []
+
+
+def test_cli_global_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardweave.fsdp.plan.__main__ import main
+
+    args = ["--model", "tests.fsdp.world_1.test_plan_fit:Net", "--mesh", "8"]
+    args += ["--sample-input", "2x16:long", "--wrap", "Block", "--fit", "1GiB"]
+    assert main([*args, "--global-batch", "16", "--accumulation", "1,2"]) == 0
+    text = capsys.readouterr().out
+    assert "8 devices, global batch 16" in text and "(HSDP)" in text and "micro=" in text
+    assert main([*args, "--global-batch", "12"]) == 2
+    assert "multiple of the 8 ranks" in capsys.readouterr().err

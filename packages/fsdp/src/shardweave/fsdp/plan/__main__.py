@@ -72,7 +72,15 @@ def _parse_sample(spec: str | None) -> tuple[tuple[int, ...], torch.dtype] | Non
     return shape, dtype
 
 
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise PlanError(f"{option}: {text!r} is not comma-separated integers") from None
+
+
 def _parser() -> argparse.ArgumentParser:
+    # Past 80 lines: one add_argument per option, nothing else.
     p = argparse.ArgumentParser(
         prog="python -m shardweave.fsdp.plan",
         description="Predict per-rank memory and per-step communication of fully_shard, "
@@ -138,6 +146,21 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-lower-precision",
         action="store_true",
         help="--fit: also try bf16 parameters (fp32 or bf16 reductions)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="--fit: samples per optimizer step over all ranks; fit then also chooses the layout "
+        "(FSDP over --mesh N, or HSDP RxS) and the local batch x accumulation steps",
+    )
+    p.add_argument(
+        "--devices-per-node", type=int, default=None, help="--fit: node size (default 8)"
+    )
+    p.add_argument(
+        "--accumulation",
+        default="1,2,4,8",
+        help="--fit with --global-batch: accumulation steps to try, comma-separated",
     )
     p.add_argument("--device", default="h100", help="--fit time model: h100 or a100")
     p.add_argument("--device-flops", type=float, default=None, help="override FLOP/s")
@@ -213,6 +236,9 @@ def _main_fit(args: argparse.Namespace) -> int:
             shard_link_bytes_per_s=args.shard_link,
             replicate_link_bytes_per_s=args.replicate_link,
             host_link_bytes_per_s=args.host_link,
+            global_batch=args.global_batch,
+            devices_per_node=args.devices_per_node,
+            accumulation_choices=_ints(args.accumulation, "--accumulation"),
         )
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -61,7 +61,10 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
     Args:
         model: the model to shard (materialized, or on meta to be initialized after).
         fitted: ``FitResult.best`` / any row of ``kept``, or a ``FitConfig``.
-        mesh: the ``DeviceMesh`` for ``fully_shard`` (default: the world, as ``fully_shard``).
+        mesh: the ``DeviceMesh`` for ``fully_shard``. Default: the layout fit planned
+            (``FitConfig.mesh``: ``(N,)``, or ``(R, S)`` built with dims named
+            ``("replicate", "shard")`` for HSDP), else the world as ``fully_shard``'s default.
+            A mesh of another shape than the planned one is an error.
 
     Raises:
         PlanError: the configuration was planned for another target (``FitConfig.target``)
@@ -78,6 +81,7 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
     """
     cfg = getattr(fitted, "config", fitted)
     _check_target(parse_target(cfg.target), mesh)
+    mesh = _planned_mesh(cfg, mesh)
     mp = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
     )
@@ -144,3 +148,24 @@ def _check_target(planned: Target, mesh: Any) -> None:
         f"{here}{also}; plan it again for this target (fit(..., target='{here}'), "
         f"--target {here}) or apply it on {planned}"
     )
+
+
+def _planned_mesh(cfg: Any, mesh: Any) -> Any:
+    """The mesh to shard on: ``mesh`` if given (its shape must be the planned layout's), else
+    the planned layout built over the world (``None`` where fit stated none)."""
+    planned = tuple(getattr(cfg, "mesh", ()))
+    if mesh is not None:
+        if planned and tuple(mesh.shape) != planned:
+            raise PlanError(
+                f"apply: this configuration was planned for a {'x'.join(map(str, planned))} "
+                f"mesh, and the mesh given is {'x'.join(map(str, mesh.shape))}; pass a mesh of "
+                "that shape, or none (apply builds it)"
+            )
+        return mesh
+    if not planned:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = applied_target(None)[0].device
+    names = ("replicate", "shard") if len(planned) == 2 else None
+    return init_device_mesh(device, planned, mesh_dim_names=names)

@@ -29,7 +29,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, astuple, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 from typing import Any, Final
 
 import torch
@@ -45,6 +45,13 @@ from shardweave.fsdp.plan._fit_config import (
     parse_target,
     reduce_label,
 )
+from shardweave.fsdp.plan._layouts import (
+    ACCUMULATION_CHOICES,
+    Layout,
+    layouts,
+    microbatches,
+    sample_of,
+)
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
@@ -53,10 +60,11 @@ from shardweave.fsdp.plan._model import (
     module_wrap_predicate,
 )
 from shardweave.fsdp.plan._plan import OPTIMIZER_STATES, group_plans, parse_mesh
-from shardweave.fsdp.plan._recording import flops_and_trace, play
+from shardweave.fsdp.plan._recording import compress, flops_and_trace, play
 from shardweave.fsdp.plan._report import format_bytes
 from shardweave.fsdp.plan._schedule import Replay
-from shardweave.fsdp.plan._time_model import DEVICES, STEP_TERMS, Device, Links, time_terms
+from shardweave.fsdp.plan._sharding import grad_made_in
+from shardweave.fsdp.plan._time_model import DEVICES, STEP_TERMS, Device, time_terms
 
 __all__ = ["FitResult", "Fitted", "fit", "parse_budget"]
 
@@ -135,6 +143,8 @@ class FitResult:
     device: str = ""
     step: str = ""  # the step planned, up to its loss (``_activations.resolve_step``)
     target: str = ""  # the device type and backend planned for (``Target``)
+    global_batch: int | None = None  # with it, layouts and microbatches were searched
+    ruled_out: int = 0  # searched but not replayed: shards and optimizer state over budget
 
     @property
     def best(self) -> Fitted | None:
@@ -158,6 +168,8 @@ class FitResult:
             "step": self.step,
             "kept": [row(f) for f in self.kept],
             "searched": self.searched,
+            "ruled_out_before_replay": self.ruled_out,
+            "global_batch": self.global_batch,
             "search_seconds": self.search_seconds,
             "search_space": self.search_space,
             "fake_steps": self.fake_steps,
@@ -183,15 +195,22 @@ class _Problem:
     sample: SampleInput
     step: Step
     budget_bytes: int
-    dims: tuple[int, ...]
-    shard_size: int
-    replicate_size: int
+    dims: tuple[int, ...]  # the mesh fit was given
     states: int
     target: Target
     device: Device
     device_flops: float | None
-    links: Links
+    layouts: tuple[Layout, ...]  # the first: FSDP over all ranks, or the mesh given
+    microbatches: tuple[tuple[int, int], ...]  # (local batch, accumulation steps)
+    global_batch: int | None
     fold: bool
+    specs_cache: dict[tuple[str | None, int], list[GroupSpec]] = field(default_factory=dict)
+    # group_plans per configuration: traces of other checkpointing and local batches share it
+    plans_cache: dict[tuple[Any, ...], tuple[Any, Any]] = field(default_factory=dict)
+
+    @property
+    def shard_size(self) -> int:  # the first layout's: what the fake steps' groups assume
+        return self.layouts[0].shard
 
 
 @dataclass(frozen=True)
@@ -207,10 +226,20 @@ class _Space:
     lower_allowed: bool
 
     def describe(self, problem: _Problem) -> dict[str, object]:
-        links, dev = problem.links, problem.device
+        links, dev = problem.layouts[0].links, problem.device
+        shapes: dict[str, object] = {}
+        if problem.global_batch is not None:
+            shapes = {
+                "layout (replicate x shard)": [x.label for x in problem.layouts],
+                "microbatch (local batch x accumulation)": [
+                    f"{b}x{a}" for b, a in problem.microbatches
+                ],
+            }
         return {
+            **shapes,
             "wrap": [w or "(root only)" for w in self.wraps],
-            "reshard_after_forward": list(self.reshards),
+            "reshard_after_forward": list(self.reshards)
+            + ([f"{_NODE_RESHARDS} where it divides the shard size"] if shapes else []),
             "root_reshard_after_forward": list(self.root_reshards),
             "mixed_precision (param, reduce)": [
                 [p or "model dtype", reduce_label(p, r, "model dtype")] for p, r in self.precisions
@@ -232,8 +261,13 @@ class _Space:
                     "low precision": problem.device_flops or dev.bf16_flops,
                     "fp32": problem.device_flops or dev.fp32_flops,
                 },
-                "shard_link_bytes_per_s": links.shard_bw,
-                "replicate_link_bytes_per_s": links.repl_bw,
+                "shard_link_bytes_per_s": links.shard_bw
+                if not shapes
+                else "NVLink within a node, the network across nodes",
+                "replicate_link_bytes_per_s": links.repl_bw
+                if not shapes
+                else "NVLink when the whole mesh is one node, else the network",
+                "devices_per_node": dev.gpus_per_node,
                 "host_link_bytes_per_s": links.host_bw,
                 "device_memory_bytes_per_s": dev.hbm_bytes_per_s,
                 "host_memory_bytes_per_s": dev.host_memory_bytes_per_s,
@@ -255,32 +289,21 @@ def _problem(
     mesh: int | Sequence[int] | str,
     optimizer: str,
     target: Target,
-    device: str | Device,
-    device_flops: float | None,
+    device: tuple[str | Device, float | None, int | None],
     links: dict[str, float | None],
+    batch: tuple[int | None, Sequence[int]],
     fold: bool,
 ) -> _Problem:
-    """The inputs checked and read: the meta model, the mesh and the time model's links."""
+    """The inputs checked and read: the meta model, the layouts and microbatches searched
+    (one of each without a global batch), the time model's device."""
     budget_bytes = parse_budget(budget)
     dims = parse_mesh(mesh)
-    shard_size, replicate_size = dims[-1], (dims[0] if len(dims) == 2 else 1)
     states = OPTIMIZER_STATES[optimizer.lower().replace("-", "_")]
-    dev = DEVICES[device] if isinstance(device, str) else device
-    shard_link = links["shard"]
-    link_numbers = Links(
-        dev,
-        shard_size,
-        replicate_size,
-        shard_link
-        or (
-            dev.intra_node_bytes_per_s
-            if shard_size <= dev.gpus_per_node
-            else dev.inter_node_bytes_per_s
-        ),
-        links["replicate"] or dev.inter_node_bytes_per_s,
-        shard_link or dev.intra_node_bytes_per_s,
-        links["host"] or dev.host_bytes_per_s,
-    )
+    name, device_flops, per_node = device
+    dev = DEVICES[name] if isinstance(name, str) else name
+    if per_node is not None:
+        dev = replace(dev, gpus_per_node=per_node)
+    global_batch, accumulation = batch
     meta_model = _meta_model(factory)
     return _Problem(
         factory,
@@ -289,13 +312,13 @@ def _problem(
         resolve_step(*step, meta_model),
         budget_bytes,
         dims,
-        shard_size,
-        replicate_size,
         states,
         target,
         dev,
         device_flops,
-        link_numbers,
+        layouts(dims, dev, global_batch is not None, links),
+        microbatches(global_batch, math.prod(dims), sample, accumulation),
+        global_batch,
         fold,
     )
 
@@ -337,12 +360,7 @@ def _search_space(
                 f"blocks): {candidates or sorted(present)}"
             )
         wraps = list(names)
-    shard_size = problem.shard_size
-    reshards: list[bool | int] = [True, False]
-    for n in (8, 4, 2):  # reshard to a node-sized group, where it divides the shard size
-        if 1 < n < shard_size and shard_size % n == 0:
-            reshards.append(n)
-            break
+    reshards = _reshards(problem.shard_size) if problem.global_batch is None else [True, False]
     precisions: list[tuple[str | None, str | None]] = [(None, None)]
     if allow_lower_precision:
         precisions += [(lower_dtype, "fp32"), (lower_dtype, None)]
@@ -357,6 +375,20 @@ def _search_space(
         offloads=offloads,
         lower_allowed=allow_lower_precision,
     )
+
+
+_NODE_RESHARDS: Final = (8, 4, 2)
+
+
+def _reshards(shard_size: int) -> list[bool | int]:
+    """``True``, ``False``, and resharding to a node-sized group where it divides the shard
+    size (the first of ``_NODE_RESHARDS``)."""
+    found: list[bool | int] = [True, False]
+    for n in _NODE_RESHARDS:
+        if 1 < n < shard_size and shard_size % n == 0:
+            found.append(n)
+            break
+    return found
 
 
 def _repeated_classes(model: nn.Module) -> list[str]:
@@ -396,15 +428,19 @@ class _Trace:
     precision: tuple[str | None, str | None]
     mp: MixedPrecisionPolicy
     checkpoint_every: int
+    microbatch: tuple[int, int]  # (local batch, accumulation steps)
     events: list[tuple[Any, ...]]
     flops: float
     flops_per_s: float
     folded: str | None
+    ran: bool = True  # False: it shares the fake step of an earlier trace
 
 
 def _fake_steps(problem: _Problem, space: _Space) -> Iterator[_Trace]:
-    """Each wrapping x compute dtype x checkpointing choice's fake step, recorded (one at a
-    time: a trace's events are dropped once its configurations are replayed)."""
+    """Each wrapping x compute dtype x checkpointing x local batch choice's fake step,
+    recorded (one at a time: a trace's events are dropped once its configurations are
+    replayed). Precisions that differ only in a reduce dtype that leaves the gradients' dtype
+    as it is share one fake step (its recorded calls are the same)."""
     for w in space.wraps:
         pred = module_wrap_predicate(w)
 
@@ -414,45 +450,78 @@ def _fake_steps(problem: _Problem, space: _Space) -> Iterator[_Trace]:
         specs = specs_of(problem.meta_model)
         n_blocks = sum(1 for s in specs if s.key != ROOT_KEY)
         acs = [k for k in space.checkpoints if k == 0 or (w is not None and k <= max(n_blocks, 1))]
-        for (pd, rd), every in itertools.product(space.precisions, acs):
-            mp = MixedPrecisionPolicy(param_dtype=DTYPES[pd], reduce_dtype=DTYPES[rd])
-            base_traffic = group_plans(
-                specs,
-                True,
-                False,
-                problem.shard_size,
-                mp,
-                problem.states,
-                problem.replicate_size,
-                problem.target.backend,
-                False,
-            )[1]
-            events, flops, stack = flops_and_trace(
-                problem.factory,
-                specs_of,
-                base_traffic,
-                problem.sample,
-                problem.step.run,
-                mp.param_dtype,
-                w,
-                every,
-                problem.fold,
-                mp.reduce_dtype,
-            )
-            folded = (
-                None if stack is None else f"{stack.fqn}: {stack.blocks} blocks run as {stack.keep}"
-            )
-            yield _Trace(
-                w,
-                specs,
-                (pd, rd),
-                mp,
-                every,
-                events,
-                flops,
-                _flops_per_s(problem, specs, mp),
-                folded,
-            )
+        for every, micro in itertools.product(acs, problem.microbatches):
+            ran: dict[tuple[Any, ...], tuple[list[tuple[Any, ...]], float, str | None]] = {}
+            for pd, rd in space.precisions:
+                mp = MixedPrecisionPolicy(param_dtype=DTYPES[pd], reduce_dtype=DTYPES[rd])
+                key = (mp.param_dtype, _grad_dtypes(specs, mp))
+                shared = key in ran
+                if not shared:
+                    ran[key] = _record(problem, specs, specs_of, mp, w, every, micro[0])
+                events, flops, folded = ran[key]
+                yield _Trace(
+                    w,
+                    specs,
+                    (pd, rd),
+                    mp,
+                    every,
+                    micro,
+                    events,
+                    flops,
+                    _flops_per_s(problem, specs, mp),
+                    None if shared else folded,
+                    ran=not shared,
+                )
+
+
+def _grad_dtypes(specs: list[GroupSpec], mp: MixedPrecisionPolicy) -> tuple[str, ...]:
+    """The dtypes the fake step's gradients are made in (``grad_made_in``)."""
+    found = set()
+    for s in specs:
+        for p in s.params:
+            if p.requires_grad:
+                compute = mp.param_dtype if p.dtype.is_floating_point else None
+                made = grad_made_in(p.dtype, compute or p.dtype, mp.reduce_dtype)
+                found.add(str(made))
+    return tuple(sorted(found))
+
+
+def _record(
+    problem: _Problem,
+    specs: list[GroupSpec],
+    specs_of: Callable[[nn.Module], list[GroupSpec]],
+    mp: MixedPrecisionPolicy,
+    wrap: str | None,
+    every: int,
+    local_batch: int,
+) -> tuple[list[tuple[Any, ...]], float, str | None]:
+    """One fake step, recorded and compressed (``_recording.compress``): its events, FLOPs and
+    what a fold ran."""
+    base_traffic = group_plans(
+        specs,
+        True,
+        False,
+        problem.shard_size,
+        mp,
+        problem.states,
+        problem.layouts[0].replicate,
+        problem.target.backend,
+        False,
+    )[1]
+    events, flops, stack = flops_and_trace(
+        problem.factory,
+        specs_of,
+        base_traffic,
+        sample_of(problem.sample, local_batch),
+        problem.step.run,
+        mp.param_dtype,
+        wrap,
+        every,
+        problem.fold,
+        mp.reduce_dtype,
+    )
+    folded = None if stack is None else f"{stack.fqn}: {stack.blocks} blocks run as {stack.keep}"
+    return compress(events), flops, folded
 
 
 def _flops_per_s(problem: _Problem, specs: list[GroupSpec], mp: MixedPrecisionPolicy) -> float:
@@ -467,54 +536,117 @@ def _flops_per_s(problem: _Problem, specs: list[GroupSpec], mp: MixedPrecisionPo
 # --- step 3: every configuration sharing a trace, replayed and timed ---------------------------
 
 
-def _replays(problem: _Problem, space: _Space, trace: _Trace) -> Iterator[Fitted]:
-    # With no wrapped blocks the blocks' reshard is moot: one value.
-    block_reshards = space.reshards if trace.wrap is not None else (True,)
-    for reshard, root_reshard, offload in itertools.product(
-        block_reshards, space.root_reshards, space.offloads
-    ):
-        cfg = FitConfig(
-            wrap=trace.wrap,
-            reshard_after_forward=reshard,
-            root_reshard_after_forward=root_reshard,
-            param_dtype=trace.precision[0],
-            reduce_dtype=trace.precision[1],
-            checkpoint_every=trace.checkpoint_every,
-            offload=offload,
-            target=str(problem.target),
+@dataclass
+class _Pruned:
+    """Configurations not replayed: their shards and optimizer state alone are over the budget
+    and above a peak already found (so none of them is kept, nor the smallest)."""
+
+    smallest_peak: int | None = None
+    count: int = 0
+
+
+def _replays(problem: _Problem, space: _Space, trace: _Trace, pruned: _Pruned) -> Iterator[Fitted]:
+    """Every configuration sharing ``trace``: each layout, the blocks' and the root's
+    resharding, offload."""
+    local_batch, accumulation = trace.microbatch
+    for layout in problem.layouts:
+        specs = _specs(problem, trace.wrap, layout.shard)
+        # With no wrapped blocks the blocks' reshard is moot: one value.
+        reshards = _reshards(layout.shard) if trace.wrap is not None else [True]
+        if problem.global_batch is None and trace.wrap is not None:
+            reshards = list(space.reshards)
+        for reshard, root_reshard, offload in itertools.product(
+            reshards, space.root_reshards, space.offloads
+        ):
+            cfg = FitConfig(
+                wrap=trace.wrap,
+                reshard_after_forward=reshard,
+                root_reshard_after_forward=root_reshard,
+                param_dtype=trace.precision[0],
+                reduce_dtype=trace.precision[1],
+                checkpoint_every=trace.checkpoint_every,
+                offload=offload,
+                target=str(problem.target),
+                mesh=layout.dims,
+                local_batch=local_batch,
+                grad_accumulation=accumulation,
+            )
+            fitted = _replay(problem, trace, cfg, layout, specs, pruned)
+            if fitted is not None:
+                yield fitted
+
+
+def _specs(problem: _Problem, wrap: str | None, shard_size: int) -> list[GroupSpec]:
+    key = (wrap, shard_size)
+    if key not in problem.specs_cache:
+        pred = module_wrap_predicate(wrap)
+        problem.specs_cache[key] = discover_groups(problem.meta_model, pred, shard_size=shard_size)
+    return problem.specs_cache[key]
+
+
+def _replay(
+    problem: _Problem,
+    trace: _Trace,
+    cfg: FitConfig,
+    layout: Layout,
+    specs: list[GroupSpec],
+    pruned: _Pruned,
+) -> Fitted | None:
+    """One configuration's peak (the trace replayed into its own bytes: the last microbatch's,
+    see ``_layouts``) and step time; None when pruned (``_Pruned``)."""
+    reshard = cfg.reshard_after_forward
+    key: tuple[Any, ...] = (cfg.wrap, layout.dims, type(reshard), reshard)
+    key += (cfg.root_reshard_after_forward, trace.precision, cfg.offload)
+    if key not in problem.plans_cache:
+        problem.plans_cache[key] = group_plans(
+            specs,
+            reshard,
+            cfg.root_reshard_after_forward,
+            layout.shard,
+            trace.mp,
+            problem.states,
+            layout.replicate,
+            problem.target.backend,
+            cfg.offload,
         )
-        yield _replay(problem, trace, cfg)
-
-
-def _replay(problem: _Problem, trace: _Trace, cfg: FitConfig) -> Fitted:
-    """One configuration's peak (the trace replayed into its own bytes) and step time."""
-    plans, traffic = group_plans(
-        trace.specs,
-        cfg.reshard_after_forward,
-        cfg.root_reshard_after_forward,
-        problem.shard_size,
-        trace.mp,
-        problem.states,
-        problem.replicate_size,
-        problem.target.backend,
-        cfg.offload,
-    )
-    replay = Replay(traffic, keep_timeline=False, stream_ordered=problem.target.accelerator)
-    play(replay, trace.events)
+    plans, traffic = problem.plans_cache[key]
     held = 0
     if not cfg.offload:
         held = sum(g.sharded_param_bytes + g.optimizer_state_bytes for g in plans)
-    terms = time_terms(
-        plans,
-        replay.result.all_gathers,
-        trace.flops,
-        trace.flops_per_s,
-        problem.links,
-        cfg.offload,
+    floor = pruned.smallest_peak
+    if held > problem.budget_bytes and floor is not None and held >= floor:
+        pruned.count += 1
+        return None
+    accumulation = cfg.grad_accumulation
+    replay = Replay(
+        traffic,
+        keep_timeline=False,
+        stream_ordered=problem.target.accelerator,
+        set_to_none=accumulation == 1,
     )
+    play(replay, trace.events)
+    peak = held + replay.result.peak_dynamic_bytes
+    pruned.smallest_peak = peak if floor is None else min(floor, peak)
+    terms = _step_terms(trace, plans, replay.result.all_gathers, layout, cfg)
     step = sum(terms[k] for k in STEP_TERMS)
     dominant = max(STEP_TERMS, key=lambda k: terms[k])
-    return Fitted(cfg, held + replay.result.peak_dynamic_bytes, step, terms, dominant)
+    return Fitted(cfg, peak, step, terms, dominant)
+
+
+def _step_terms(
+    trace: _Trace, plans: Any, all_gathers: dict[str, int], layout: Layout, cfg: FitConfig
+) -> dict[str, float]:
+    """One optimizer step's terms: ``a`` microbatches (the HSDP all-reduce on the last only)
+    and one optimizer step."""
+    args = (plans, all_gathers, trace.flops, trace.flops_per_s, layout.links, cfg.offload)
+    last = time_terms(*args)
+    a = cfg.grad_accumulation
+    if a == 1:
+        return last
+    other = time_terms(*args, all_reduce=False)
+    terms = {k: last[k] + (a - 1) * other[k] for k in last}
+    terms["optimizer"] = last["optimizer"]
+    return terms
 
 
 # --- step 4: the answer ------------------------------------------------------------------------
@@ -525,6 +657,7 @@ def _answer(
     space: _Space,
     rows: list[Fitted],
     traces: list[_Trace],
+    pruned: _Pruned,
     started: float,
 ) -> FitResult:
     """What fits, fastest first (ties: the smaller peak), or the smallest peak and advice."""
@@ -542,17 +675,19 @@ def _answer(
     return FitResult(
         budget_bytes=budget,
         kept=tuple(kept),
-        searched=len(rows),
+        searched=len(rows) + pruned.count,
         search_seconds=round(time.perf_counter() - started, 3),
         search_space=space.describe(problem),
         smallest=smallest,
         advice=tuple(advice),
-        fake_steps=len(traces),
+        fake_steps=sum(t.ran for t in traces),
         folded=tuple(t.folded for t in traces if t.folded is not None),
         mesh=problem.dims,
         device=problem.device.source,
         step=problem.step.description,
         target=str(problem.target),
+        global_batch=problem.global_batch,
+        ruled_out=pruned.count,
     )
 
 
@@ -596,7 +731,13 @@ def _advice(smallest: Fitted, budget: int, problem: _Problem, space: _Space) -> 
         f"more ranks: {2 * shard_size} ranks halve the sharded parameters, gradients and "
         "optimizer state (activations per rank stay)"
     )
-    out.append("a smaller sample input (fewer sequences or tokens per rank) shrinks activations")
+    if problem.global_batch is None:
+        out.append(
+            "a smaller sample input (fewer sequences or tokens per rank) shrinks activations; "
+            "with --global-batch fit also searches accumulation steps and HSDP layouts"
+        )
+    else:
+        out.append("more accumulation steps (--accumulation) shrink the local batch's activations")
     if True not in space.offloads and problem.target.accelerator:
         out.append("allow CPU offload (params, grads and optimizer state in host memory)")
     if not space.lower_allowed:
@@ -626,6 +767,9 @@ def fit(
     checkpoint_choices: Sequence[int] = (0, 1, 2),
     offload_choices: Sequence[bool] = (False, True),
     fold: bool = True,
+    global_batch: int | None = None,
+    devices_per_node: int | None = None,
+    accumulation_choices: Sequence[int] = ACCUMULATION_CHOICES,
 ) -> FitResult:
     """Search configurations of ``fully_shard`` for the ones whose predicted per-rank peak fits
     ``budget``, fastest (by the step-time estimate of ``_time_model``) first.
@@ -655,6 +799,15 @@ def fit(
         checkpoint_choices: activation checkpointing per wrapped block: 0 none, 1 every block,
             k every k-th block.
         offload_choices: CPU offload off/on (an accelerator target only).
+        global_batch: samples per optimizer step over all ranks. With it (and ``mesh`` one
+            size ``N``) fit also chooses the layout, FSDP over the ``N`` ranks or HSDP
+            ``R x S`` (shard groups within a node first), and the microbatch: a local batch
+            ``b`` (the sample input's first dimension) and ``a`` accumulation steps
+            (``accumulation_choices`` dividing ``global_batch / N``), see ``_layouts``. Each
+            kept ``FitConfig`` says its ``mesh``, ``local_batch`` and ``grad_accumulation``;
+            ``apply`` builds the mesh, ``FitConfig.how_to_run()`` gives the loop.
+        devices_per_node: the node size the layouts and links assume (default: the
+            device's, 8 for ``h100``/``a100``).
         fold: run each fake step over a few blocks of the model's largest stack of alike
             blocks and repeat their recorded events for the rest (``_fold``: exact, checked,
             and undone when the kept blocks do not repeat); False runs every block.
@@ -669,6 +822,7 @@ def fit(
         print(r.best.config, r.best.peak_bytes, r.best.step_seconds)
         apply(model, r.best)  # fully_shard, mixed precision, offload, checkpointing
     """
+    # Past 80 lines for its docstring (every argument's trade-off); the body is its four steps.
     started = time.perf_counter()
     links = {
         "shard": shard_link_bytes_per_s,
@@ -683,9 +837,9 @@ def fit(
         mesh,
         optimizer,
         parse_target(target, backend),
-        device,
-        device_flops,
+        (device, device_flops, devices_per_node),
         links,
+        (global_batch, accumulation_choices),
         fold,
     )
     space = _search_space(
@@ -693,8 +847,9 @@ def fit(
     )
     rows: list[Fitted] = []
     traces: list[_Trace] = []
+    pruned = _Pruned()
     for trace in _fake_steps(problem, space):
-        rows += _replays(problem, space, trace)
-        trace.events = []  # recorded calls can be large (a 70 B model's): replayed, dropped
+        rows += _replays(problem, space, trace, pruned)
+        trace.events = []  # replayed: dropped here (a trace sharing them holds its own)
         traces.append(trace)
-    return _answer(problem, space, rows, traces, started)
+    return _answer(problem, space, rows, traces, pruned, started)

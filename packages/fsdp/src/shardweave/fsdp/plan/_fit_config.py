@@ -95,15 +95,48 @@ class FitConfig:
     backward_prefetch: int = 1
     reduce_scatter_max_input_buffers: int = 1
     target: str = "cuda/nccl"  # where it was planned (``Target``): ``apply`` checks it
+    # The layout: ``(N,)`` FSDP over N ranks, ``(R, S)`` HSDP (R replicas of S-rank shard
+    # groups); ``()``: not stated (the mesh ``apply`` is given, or the world).
+    mesh: tuple[int, ...] = ()
+    # The microbatch: ``local_batch`` samples per rank per forward (0: the sample input as
+    # given), ``grad_accumulation`` forwards and backwards per optimizer step.
+    local_batch: int = 0
+    grad_accumulation: int = 1
 
     def describe(self) -> str:
         ac = every_label(self.checkpoint_every)
+        where = ""
+        if self.mesh:
+            kind = "HSDP" if len(self.mesh) == 2 else "FSDP"
+            where = f"mesh={'x'.join(map(str, self.mesh))} ({kind}) "
+        if self.local_batch:
+            where += f"micro={self.local_batch}x{self.grad_accumulation} "
         return (
-            f"wrap={self.wrap or '-'} reshard={self.reshard_after_forward} "
+            f"{where}wrap={self.wrap or '-'} reshard={self.reshard_after_forward} "
             f"root_reshard={self.root_reshard_after_forward} "
             f"mp={self.param_dtype or 'fp32'}/{reduce_label(self.param_dtype, self.reduce_dtype)} "
             f"checkpoint={ac} offload={self.offload}"
         )
+
+    def how_to_run(self) -> list[str]:
+        """The step as a loop, where it accumulates gradients (empty where it does not)."""
+        a = self.grad_accumulation
+        if a <= 1:
+            return []
+        hsdp = len(self.mesh) == 2
+        lines = [
+            f"gradient accumulation: {a} microbatches of {self.local_batch or '?'} per rank per "
+            "optimizer step, each reduce-scattered (gradients accumulate sharded)"
+            + ("; the HSDP all-reduce on the last only" if hsdp else ""),
+            f"for i, micro in enumerate(batch.chunk({a})):",
+        ]
+        if hsdp:
+            lines.append(f"    model.set_requires_all_reduce(i == {a - 1})")
+        lines += [
+            f"    (step(model, micro) / {a}).backward()",
+            "optimizer.step(); optimizer.zero_grad()",
+        ]
+        return lines
 
 
 def reduce_label(param: str | None, reduce: str | None, model: str = "fp32") -> str:

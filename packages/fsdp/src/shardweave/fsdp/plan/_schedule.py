@@ -209,15 +209,16 @@ class Replay:
     def _record(self, group: str, event: str, delta: int) -> None:
         b = self.bytes
         res = self.result
-        where = f"{self.phase}: {group or self.current} {event}"
+        where = ""  # built only where a peak moves: most records move none (fit replays many)
         for cat, value in b.items():
             if value > res.peaks[cat]:
+                where = where or f"{self.phase}: {group or self.current} {event}"
                 res.peaks[cat] = value
                 res.peaks_at[cat] = where
         total = sum(b.values())
         if total > res.peak_dynamic_bytes or not res.peak_dynamic_at:
             res.peak_dynamic_bytes = total
-            res.peak_dynamic_at = where
+            res.peak_dynamic_at = where or f"{self.phase}: {group or self.current} {event}"
             res.peak_moment = (self.phase, group or self.current, event)
             res.at_peak = dict(b)
         if self.keep_timeline:

@@ -124,6 +124,31 @@ class Links:
     intra_bw: float
     host_bw: float
 
+    @classmethod
+    def of(
+        cls,
+        device: Device,
+        shard_size: int,
+        replicate_size: int,
+        shard_link: float | None = None,
+        replicate_link: float | None = None,
+        host_link: float | None = None,
+    ) -> Links:
+        """A mesh's links: a shard group within a node talks over NVLink, across nodes over
+        the network; the replicate dimension too, over NVLink only when the whole mesh is one
+        node. ``*_link`` override single numbers (bytes/s)."""
+        intra, inter = device.intra_node_bytes_per_s, device.inter_node_bytes_per_s
+        one_node = shard_size * replicate_size <= device.gpus_per_node
+        return cls(
+            device,
+            shard_size,
+            replicate_size,
+            shard_link or (intra if shard_size <= device.gpus_per_node else inter),
+            replicate_link or (intra if one_node else inter),
+            shard_link or intra,
+            host_link or device.host_bytes_per_s,
+        )
+
     @property
     def shard_nodes(self) -> int:  # a shard group's ranks are consecutive, a node at a time
         return -(-self.shard_size // self.device.gpus_per_node)
@@ -161,7 +186,10 @@ def time_terms(
     flops_per_s: float,
     links: Links,
     offload: bool,
+    all_reduce: bool = True,
 ) -> dict[str, float]:
+    """One forward and backward's terms (and the optimizer step's); ``all_reduce=False``: a
+    microbatch that skips the HSDP all-reduce (``set_requires_all_reduce(False)``)."""
     comm = first = last = host = 0.0
     trainable = [g for g in plans if g.trainable_numel > 0]
     for g in plans:
@@ -173,7 +201,7 @@ def time_terms(
             # shards within groups of N ranks (a node when N is the node size): its own link.
             ag += links.node_all_gather(g.gathered_bytes, mode) - links.all_gather(g.gathered_bytes)
         rs = links.all_gather(g.reduce_scatter_bytes) if g.trainable_numel else 0.0
-        ar = links.all_reduce(g.all_reduce_bytes) if g.trainable_numel else 0.0
+        ar = links.all_reduce(g.all_reduce_bytes) if g.trainable_numel and all_reduce else 0.0
         comm += ag + rs + ar
         if g.key == ROOT_KEY and n_ag:
             first = links.all_gather(g.gathered_bytes)
@@ -181,7 +209,9 @@ def time_terms(
             host += n_ag * g.sharded_param_bytes / links.host_bw + g.grad_bytes / links.host_bw
     if trainable:
         g = trainable[0]  # the root reduces last (in the final callback)
-        last = links.all_gather(g.reduce_scatter_bytes) + links.all_reduce(g.all_reduce_bytes)
+        last = links.all_gather(g.reduce_scatter_bytes)
+        if all_reduce:
+            last += links.all_reduce(g.all_reduce_bytes)
     compute = flops / flops_per_s
     exposed = first + last + max(0.0, comm - first - last - compute)
     # The optimizer step streams the sharded parameters (read and written; the sharded
