@@ -21,3 +21,9 @@ def test_fit_top3_train_within_budget_world2(world2: WorkerPool, kind: str) -> N
 def test_apply_on_its_target_only(world2: WorkerPool) -> None:
     """Oracle: closed form (which target is named, and that the offload configuration trains)."""
     world2.run(apply_on_its_target)
+
+
+def test_fit_top3_on_the_test_accelerator_world2(world2: WorkerPool) -> None:
+    """Planned for cuda/gloo (the accelerator's schedule; CPU offload searched), measured on the
+    test accelerator (the engine's accelerator branches over CPU tensors, gloo)."""
+    check_top(world2, 2, top=3, kind="gpt", target="cuda/gloo")
