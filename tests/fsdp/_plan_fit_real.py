@@ -187,6 +187,7 @@ def check_top(
     kind: str = "gpt",
     global_batch: int | None = None,
     target: str = "cpu/gloo",
+    fraction: float = 0.9,
 ) -> FitResult:
     per_rank = (global_batch // world) if global_batch else 0
     stated = {"target": target}
@@ -199,6 +200,7 @@ def check_top(
         measure,
         kind,
         top,
+        fraction,
     )
 
 
