@@ -262,6 +262,10 @@ def apply_on_its_target(rank: int, world: int) -> None:
     cfg = default("mlp")
     with pytest.raises(PlanError, match=r"planned for cuda/nccl, and is applied on cpu/gloo"):
         apply(mlp_blocks(), dataclasses.replace(cfg, target="cuda/nccl"), mesh=mesh)
+    with pytest.raises(PlanError, match=r"planned for 4 ranks \(mesh 2x2\), and the world has 2"):
+        apply(mlp_blocks(), dataclasses.replace(cfg, mesh=(2, 2)))
+    with pytest.raises(PlanError, match=r"planned for a 2x2 mesh, and the mesh given is 2"):
+        apply(mlp_blocks(), dataclasses.replace(cfg, mesh=(2, 2)), mesh=mesh)
     with (
         pytest.raises(PlanError, match=r"planned for cpu/gloo, and is applied on cpu/gloo \(the"),
         use_device_module(torch.cpu, stream_ordered=True),

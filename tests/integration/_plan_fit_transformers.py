@@ -122,6 +122,7 @@ def _search(world: int, kind: str, global_batch: int | None, target: str, budget
         target=target,
         global_batch=global_batch,
         accumulation_choices=(1, 2),
+        checkpoint_choices=(0, 1),  # every 2nd block too is checked on the project's models
     )
 
 

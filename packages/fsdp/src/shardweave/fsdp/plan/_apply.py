@@ -14,6 +14,7 @@ and FLOPs include the recompute.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -164,7 +165,19 @@ def _planned_mesh(cfg: Any, mesh: Any) -> Any:
         return mesh
     if not planned:
         return None
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() != math.prod(planned)
+    ):
+        raise PlanError(
+            f"apply: this configuration was planned for {math.prod(planned)} ranks (mesh "
+            f"{'x'.join(map(str, planned))}), and the world has {dist.get_world_size()}; plan "
+            "again for this world, or run it on that many"
+        )
 
     device = applied_target(None)[0].device
     names = ("replicate", "shard") if len(planned) == 2 else None
