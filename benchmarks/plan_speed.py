@@ -1,6 +1,8 @@
 """How long the planner takes: a 70B model on 1,024 ranks without a sample input (the budget is
-5 s), the make-it-fit search for it with a sample input (the budget is 30 s), and a 1.1B model with a sample input (one fake-tensor forward and backward; the budget is
-a minute on a 2-core machine).
+5 s), the make-it-fit search for it with a sample input (the budget is 30 s), the same with a
+global batch on 8 and on 1,024 devices (layouts and microbatches searched too; 30 s each), and
+a 1.1B model with a sample input (one fake-tensor forward and backward; the budget is a minute
+on a 2-core machine).
 
 Run::
 
@@ -37,6 +39,23 @@ def main() -> None:
         # folded to 4 blocks each) with a sample input; the issue's budget is 30 s
         "llama_70b_1024_ranks_fit_sample_1x4096": lambda: fit(
             llama_70b, mesh=1024, sample_input=((1, 4096), torch.long), budget="80GiB"
+        ),
+        # make it fit with a global batch: FSDP and HSDP layouts, local batch x accumulation
+        "llama_70b_1024_ranks_fit_global_batch_2048": lambda: fit(
+            llama_70b,
+            mesh=1024,
+            sample_input=((1, 4096), torch.long),
+            budget="80GiB",
+            wrap="TransformerBlock",
+            global_batch=2048,
+        ),
+        "llama_70b_8_ranks_fit_global_batch_16": lambda: fit(
+            llama_70b,
+            mesh=8,
+            sample_input=((1, 4096), torch.long),
+            budget="80GiB",
+            wrap="TransformerBlock",
+            global_batch=16,
         ),
         "llama_1b_8_ranks_sample_4x2048": lambda: plan(
             llama_1b,

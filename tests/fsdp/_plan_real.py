@@ -226,7 +226,7 @@ def _is_backend_staging(ev: Any, main_tid: int) -> bool:
     return False
 
 
-def _peak_in_window(prof: Any) -> tuple[int, int]:
+def _peak_in_window(prof: Any, host: frozenset[int] = frozenset()) -> tuple[int, int]:
     """(peak, total before the window) of live CPU tensor bytes; see the module docstring.
     With several windows (identical steps), the smallest peak and its window's total before:
     what a backend's threads free late only ever adds to a window's peak.
@@ -238,7 +238,11 @@ def _peak_in_window(prof: Any) -> tuple[int, int]:
     reduce-scatter input clones of an earlier step in C++ after the engine and Python
     dropped the Work, a varying number (none to four 43 KB clones on the world-2 and world-4
     gpt_ac, up to 7% of its peak): the backend's retention, not the step's memory, and not a
-    fixed amount any plan could name. Staging made inside the window counts."""
+    fixed amount any plan could name. Staging made inside the window counts.
+
+    ``host``: addresses of storages that are host memory on the test accelerator (CPU offload:
+    sharded parameters, gradients, optimizer state, all CPU tensors there as the "device"'s
+    are); the last allocation at each, still alive at the end, is not counted."""
     from torch._C._profiler import _EventType
 
     events: list[Any] = []
@@ -261,6 +265,9 @@ def _peak_in_window(prof: Any) -> tuple[int, int]:
         for e in events
         if e.tag == _EventType.Allocation and e.typed[1].device.type == "cpu"
     )
+    if host:
+        last = {ptr: i for i, (_, size, ptr, _) in enumerate(allocs) if size > 0 and ptr in host}
+        allocs = [a for i, a in enumerate(allocs) if last.get(a[2]) != i]
     found = []
     for window in windows:
         live: dict[int, tuple[int, bool]] = {}  # address -> (bytes, backend staging)

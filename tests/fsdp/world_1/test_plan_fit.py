@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from dataclasses import asdict, astuple
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,23 @@ from torch import nn
 
 from shardweave.fsdp import MixedPrecisionPolicy
 from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
-from shardweave.fsdp.plan import FitConfig, PlanError, fit, format_fit, parse_budget, plan
+from shardweave.fsdp.plan import (
+    FitConfig,
+    PlanError,
+    fit,
+    format_fit,
+    format_table,
+    parse_budget,
+    plan,
+)
+from shardweave.fsdp.plan._activations import resolve_step
 from shardweave.fsdp.plan._apply import checkpoint_blocks
-from shardweave.fsdp.plan._fit import DEVICES, STEP_TERMS, _flops_and_trace
 from shardweave.fsdp.plan._fold import find_fold
+from shardweave.fsdp.plan._layouts import layouts, microbatches
 from shardweave.fsdp.plan._model import discover_groups, module_wrap_predicate
 from shardweave.fsdp.plan._plan import group_plans
+from shardweave.fsdp.plan._recording import flops_and_trace
+from shardweave.fsdp.plan._time_model import DEVICES, STEP_TERMS
 
 SAMPLE = ((2, 16), torch.long)
 
@@ -95,29 +107,45 @@ def _plan_peak(cfg: FitConfig) -> int:
         reshard_after_forward=cfg.reshard_after_forward,
         root_reshard_after_forward=cfg.root_reshard_after_forward,
         sample_input=SAMPLE,
-        backend="gloo",
+        target=cfg.target,
         offload=cfg.offload,
     )
     assert p.activations is not None
     return p.activations.peak_bytes
 
 
+GLOO = "cpu/gloo"
+
+
 def test_replayed_peaks_equal_plan(searched: Any) -> None:
     """One configuration per searched dimension, each against its own fake step in plan()."""
-    by_cfg = {f.config: f for f in searched.kept}
-    base = FitConfig("Block", True, False, None, None, 0, False)
+    by_cfg = {c: f for f in searched.kept for c in (f.config, *f.alternatives)}
+    base = FitConfig("Block", True, False, None, None, 0, False, target=GLOO, mesh=(2,))
     variants = [
         base,
-        FitConfig("Block", False, False, None, None, 0, False),
-        FitConfig("Block", True, True, None, None, 0, False),
-        FitConfig("Block", True, False, "bf16", "fp32", 0, False),
-        FitConfig("Block", True, False, "bf16", None, 1, False),
-        FitConfig("Block", False, False, None, None, 2, True),
-        FitConfig(None, True, True, None, None, 0, False),
+        dataclasses.replace(base, reshard_after_forward=False),
+        dataclasses.replace(base, root_reshard_after_forward=True),
+        dataclasses.replace(base, param_dtype="bf16", reduce_dtype="fp32"),
+        dataclasses.replace(base, param_dtype="bf16", checkpoint_every=1),
+        dataclasses.replace(base, reshard_after_forward=False, checkpoint_every=2),
+        FitConfig(None, True, True, None, None, 0, False, target=GLOO, mesh=(2,)),
     ]
     for cfg in variants:
         assert cfg in by_cfg, cfg
         assert by_cfg[cfg].peak_bytes == _plan_peak(cfg), cfg
+    # offload, on an accelerator target (the accelerator's schedule, gloo's staging)
+    on_gpus = fit(
+        Net,
+        mesh=2,
+        sample_input=SAMPLE,
+        budget="1GiB",
+        wrap="Block",
+        target="cuda/gloo",
+        checkpoint_choices=(2,),
+    )
+    cfg = FitConfig("Block", False, False, None, None, 2, True, target="cuda/gloo", mesh=(2,))
+    row = next(f for f in on_gpus.kept if cfg in (f.config, *f.alternatives))
+    assert row.peak_bytes == _plan_peak(cfg)
 
 
 def test_ranked_by_step_time_and_fit(searched: Any) -> None:
@@ -139,15 +167,12 @@ def test_ranked_by_step_time_and_fit(searched: Any) -> None:
 
 
 def test_budget_below_default_finds_smaller_and_is_monotone(searched: Any) -> None:
-    default = next(
-        f
-        for f in searched.kept
-        if f.config == FitConfig("Block", True, False, None, None, 0, False)
-    )
+    default_cfg = FitConfig("Block", True, False, None, None, 0, False, target=GLOO, mesh=(2,))
+    default = next(f for f in searched.kept if default_cfg in (f.config, *f.alternatives))
     budget = default.peak_bytes - 1
     tight = fit(Net, mesh=2, sample_input=SAMPLE, budget=budget, wrap="Block", backend="gloo")
     assert tight.kept and all(f.peak_bytes <= budget for f in tight.kept)
-    assert default.config not in {f.config for f in tight.kept}
+    assert default_cfg not in {c for f in tight.kept for c in (f.config, *f.alternatives)}
     tighter = fit(
         Net,
         mesh=2,
@@ -401,9 +426,10 @@ def test_fold_replays_the_full_stream(model: str, wrap: str | None, every: int) 
     with torch.device("meta"):
         specs = specs_of(factory())
     traffic = group_plans(specs, True, False, 4, MixedPrecisionPolicy(), 2, 1, "gloo", False)[1]
-    args = (factory, specs_of, traffic, SAMPLE, None, None, wrap, every)
-    folded, flops, stack = _flops_and_trace(*args, fold=True)
-    full, full_flops, no_stack = _flops_and_trace(*args, fold=False)
+    step = resolve_step("sum", None, None).run
+    args = (factory, specs_of, traffic, SAMPLE, step, None, wrap, every)
+    folded, flops, stack = flops_and_trace(*args, fold=True)
+    full, full_flops, no_stack = flops_and_trace(*args, fold=False)
     assert stack is not None and no_stack is None
     assert flops == full_flops > 0
     assert _normalized(folded) == _normalized(full)
@@ -419,7 +445,7 @@ def test_latency_and_optimizer_terms() -> None:
     assert h100.ring_latency(8, 1) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
     assert h100.ring_latency(16, 2) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 9.6e-6)
     assert h100.ring_latency(4, 4, all_reduce=True) == pytest.approx(8.4e-6 + 6 * 9.6e-6)
-    cfg = FitConfig("Block", True, False, None, None, 0, False)
+    cfg = FitConfig("Block", True, False, None, None, 0, False, mesh=(16,))
     for offload in (False, True):
         r = fit(
             Net,
@@ -430,7 +456,8 @@ def test_latency_and_optimizer_terms() -> None:
             checkpoint_choices=(0,),
             offload_choices=(offload,),
         )
-        row = next(f for f in r.kept if f.config == dataclasses.replace(cfg, offload=offload))
+        want = dataclasses.replace(cfg, offload=offload)
+        row = next(f for f in r.kept if want in (f.config, *f.alternatives))
         p = plan(
             Net,
             mesh=16,
@@ -478,3 +505,238 @@ def test_label_names_the_reduce_dtype() -> None:
     assert f"mp=bf16/{expected} " in cfg.describe()
     assert "mp=bf16/fp32 " in dataclasses.replace(cfg, reduce_dtype="fp32").describe()
     assert "mp=fp32/fp32 " in dataclasses.replace(cfg, param_dtype=None).describe()
+
+
+# --- the step planned (issue 43, item 1) ---------------------------------------------------------
+# Oracle: plan() with the same step (its own fake step); the step changes what is planned.
+
+
+class LabelsLM(Net):
+    """Takes ``labels`` as transformers' heads do and returns its loss beside the logits (a
+    large vocabulary: the loss's log-softmax and its gradient move the peak)."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab=997)
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor | None]:
+        logits = super().forward(input_ids)
+        loss = None
+        if labels is not None:
+            flat = logits.float().flatten(0, 1)
+            loss = torch.nn.functional.cross_entropy(flat, labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def mse_step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """A user's step: its own loss on the logits (for the CLI's --step)."""
+    return model(batch).float().pow(2).mean()
+
+
+def test_labels_model_plans_its_loss() -> None:
+    """A model taking ``labels`` is planned with them (transformers' step), not with the sum of
+    its first output; the answer names the step; each peak is plan()'s with that step."""
+    kwargs: dict[str, Any] = dict(
+        mesh=2, sample_input=SAMPLE, budget="1GiB", wrap="Block", backend="gloo"
+    )
+    r = fit(LabelsLM, checkpoint_choices=(0,), **kwargs)
+    assert r.step.startswith("labels") and "auto" in r.step
+    assert "step planned: labels" in format_fit(r) and r.to_dict()["step"] == r.step
+    summed = fit(LabelsLM, checkpoint_choices=(0,), step="sum", **kwargs)
+    assert summed.step.startswith("sum")
+    peaks = {f.config: f.peak_bytes for f in r.kept}
+    for f in summed.kept[:2]:
+        cfg = f.config
+        p = {
+            s: plan(
+                LabelsLM,
+                mesh=2,
+                wrap="Block",
+                reshard_after_forward=cfg.reshard_after_forward,
+                root_reshard_after_forward=cfg.root_reshard_after_forward,
+                sample_input=SAMPLE,
+                backend="gloo",
+                step=s,
+            ).activations
+            for s in ("labels", "sum")
+        }
+        assert p["labels"] is not None and p["sum"] is not None
+        assert peaks[cfg] == p["labels"].peak_bytes != p["sum"].peak_bytes == f.peak_bytes
+        assert p["labels"].step == r.step.replace(" (auto: its forward takes labels)", "")
+    with pytest.raises(PlanError, match="not both"):
+        fit(Net, step="sum", loss_fn=lambda o, i: o.sum(), **kwargs)
+
+
+def test_cli_step(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardweave.fsdp.plan.__main__ import main
+
+    base = [
+        "--model",
+        "tests.fsdp.world_1.test_plan_fit:Net",
+        "--mesh",
+        "2",
+        "--sample-input",
+        "2x16:long",
+        "--wrap",
+        "Block",
+        "--backend",
+        "gloo",
+    ]
+    assert (
+        main([*base, "--fit", "1GiB", "--step", "tests.fsdp.world_1.test_plan_fit:mse_step"]) == 0
+    )
+    assert "step planned: tests.fsdp.world_1.test_plan_fit:mse_step(model, batch)" in (
+        capsys.readouterr().out
+    )
+    assert main([*base, "--step", "tests.fsdp.world_1.test_plan_fit:mse_step"]) == 0
+    assert "step planned            tests.fsdp.world_1.test_plan_fit:mse_step" in (
+        capsys.readouterr().out
+    )
+    assert main([*base, "--fit", "1GiB", "--step", "nope"]) == 2
+    assert "--step must be PKG.MODULE:FACTORY" in capsys.readouterr().err
+
+
+# --- the target (issue 43, item 2) ---------------------------------------------------------------
+# Closed form: what is searched and named per target.
+
+
+def test_target_named_and_offload_only_off_the_cpu(tmp_path: Path) -> None:
+    kwargs: dict[str, Any] = dict(
+        mesh=2, sample_input=SAMPLE, budget="1GiB", wrap="Block", checkpoint_choices=(0,)
+    )
+    cpu = fit(Net, backend="gloo", **kwargs)
+    assert cpu.target == "cpu/gloo" == fit(Net, target="cpu", **kwargs).target
+    assert not any(f.config.offload for f in cpu.kept)
+    assert {f.config.target for f in cpu.kept} == {"cpu/gloo"}
+    assert "not searched" in str(cpu.search_space["cpu_offload"])
+    assert format_fit(cpu).startswith("make it fit on cpu/gloo:")
+    assert cpu.to_dict()["target"] == "cpu/gloo"
+    gpus = fit(Net, **kwargs)  # the default, named
+    assert gpus.target == "cuda/nccl" and format_fit(gpus).startswith("make it fit on cuda/nccl:")
+    assert any(f.config.offload for f in gpus.kept)
+    assert fit(Net, target="cuda/gloo", **kwargs).target == "cuda/gloo"
+    nothing = fit(Net, backend="gloo", **{**kwargs, "budget": 1000})
+    assert not nothing.kept and "allow CPU offload" not in " ".join(nothing.advice)
+    assert not nothing.smallest.config.offload
+    for bad in ("cpu/nccl", "tpu/mpi", "cuda/gloo/x"):
+        with pytest.raises(PlanError, match="target"):
+            fit(Net, target=bad, **kwargs)
+    p = plan(Net, mesh=2, wrap="Block", target="cpu/gloo")
+    assert p.inputs["target"] == "cpu/gloo" and "target cpu/gloo" in format_table(p).splitlines()[0]
+
+
+# --- twins folded (issue 43, item 3) -------------------------------------------------------------
+
+
+def test_twins_are_one_row() -> None:
+    """Closed form: configurations with the same peak and step time that differ in one setting
+    are one row listing the others; every fitting configuration is a row or an alternative.
+    Compute dominates here (a slow device), so the root's extra all-gather is hidden: the root's
+    resharding changes neither peak nor time for most configurations."""
+    searched = fit(
+        Net,
+        mesh=2,
+        sample_input=SAMPLE,
+        budget="1GiB",
+        wrap="Block",
+        backend="gloo",
+        device_flops=1e6,
+        allow_lower_precision=True,
+    )
+    rows = searched.kept
+    assert any(f.alternatives for f in rows)
+    assert sum(1 + len(f.alternatives) for f in rows) == searched.searched  # all fit 1 GiB
+    for f in rows:
+        assert all(alt for alt in f.alternative_settings())
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            if (a.peak_bytes, a.step_seconds) == (b.peak_bytes, b.step_seconds):
+                apart = sum(x != y for x, y in zip(astuple(a.config), astuple(b.config)))
+                assert apart > 1, (a.config, b.config)
+    twin = next(f for f in rows if f.alternatives)
+    assert {"root_reshard_after_forward": True} in twin.alternative_settings()
+    text = format_fit(searched, top=len(rows))
+    assert "(the same peak and time with root_reshard_after_forward=True)" in text
+    row = next(r for r in searched.to_dict()["kept"] if r["config"] == asdict(twin.config))
+    assert row["alternatives"] == twin.alternative_settings()
+
+
+# --- layouts and microbatches (issue 43, item 4) -------------------------------------------------
+# Oracle: plan() on each kept row's mesh and local batch (set_to_none=False for the last of
+# several microbatches: the accumulated sharded gradients are there from its start); closed
+# forms for the shapes searched and the accumulation's time.
+
+
+def test_layouts_searched_within_a_node_first() -> None:
+    h100 = DEVICES["h100"]
+    found = layouts((1024,), h100, True, dict.fromkeys(("shard", "replicate", "host")))
+    assert [x.label for x in found] == [
+        "1024 (FSDP)",
+        *(f"{1024 // s}x{s} (HSDP)" for s in (8, 4, 2, 1, 16, 32, 64, 128, 256, 512)),
+    ]
+    links = {x.dims: x.links for x in found}
+    assert links[(128, 8)].shard_bw == h100.intra_node_bytes_per_s
+    assert links[(128, 8)].repl_bw == links[(64, 16)].shard_bw == h100.inter_node_bytes_per_s
+    one_node = layouts((8,), h100, True, dict.fromkeys(("shard", "replicate", "host")))
+    assert [x.dims for x in one_node] == [(8,), (2, 4), (4, 2), (8, 1)]
+    assert one_node[1].links.repl_bw == h100.intra_node_bytes_per_s  # the mesh is one node
+    assert microbatches(64, 8, SAMPLE) == ((8, 1), (4, 2), (2, 4), (1, 8))
+    with pytest.raises(PlanError, match="multiple of the 8 ranks"):
+        microbatches(12, 8, SAMPLE)
+
+
+def test_fit_chooses_layout_and_microbatch() -> None:
+    r = fit(
+        Net,
+        mesh=8,
+        sample_input=SAMPLE,
+        budget="1GiB",
+        wrap="Block",
+        global_batch=32,
+        checkpoint_choices=(0,),
+        offload_choices=(False,),
+    )
+    rows = [c for f in r.kept for c in (f.config, *f.alternatives)]
+    assert {c.mesh for c in rows} == {(8,), (2, 4), (4, 2), (8, 1)}
+    assert {(c.local_batch, c.grad_accumulation) for c in rows} == {(4, 1), (2, 2), (1, 4)}
+    assert "layout (replicate x shard)" in r.search_space and r.to_dict()["global_batch"] == 32
+    text = format_fit(r)
+    assert text.splitlines()[0].startswith("make it fit on cuda/nccl: budget 1.00 GiB per rank, 8 ")
+    by_cfg = {c: f for f in r.kept for c in (f.config, *f.alternatives)}
+    picked = [
+        next(c for c in rows if c.mesh == (2, 4) and c.grad_accumulation == 2),
+        next(c for c in rows if c.mesh == (8,) and c.grad_accumulation == 4),
+        next(c for c in rows if c.mesh == (4, 2) and c.grad_accumulation == 1),
+    ]
+    for cfg in picked:
+        p = plan(
+            Net,
+            mesh=cfg.mesh,
+            wrap="Block",
+            reshard_after_forward=cfg.reshard_after_forward,
+            root_reshard_after_forward=cfg.root_reshard_after_forward,
+            sample_input=((cfg.local_batch, SAMPLE[0][1]), SAMPLE[1]),
+            set_to_none=cfg.grad_accumulation == 1,
+        )
+        assert p.activations is not None
+        assert by_cfg[cfg].peak_bytes == p.activations.peak_bytes, cfg
+    # accumulation: the same FLOPs per optimizer step, more collectives
+    one = by_cfg[dataclasses.replace(picked[1], local_batch=4, grad_accumulation=1)]
+    four = by_cfg[picked[1]]
+    assert four.terms["flops"] == one.terms["flops"]
+    assert four.terms["comm"] > one.terms["comm"] and four.step_seconds > one.step_seconds
+    assert "model.set_requires_all_reduce(i == 1)" in "\n".join(picked[0].how_to_run())
+    assert picked[2].how_to_run() == []
+
+
+def test_cli_global_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardweave.fsdp.plan.__main__ import main
+
+    args = ["--model", "tests.fsdp.world_1.test_plan_fit:Net", "--mesh", "8"]
+    args += ["--sample-input", "2x16:long", "--wrap", "Block", "--fit", "1GiB"]
+    assert main([*args, "--global-batch", "16", "--accumulation", "1,2"]) == 0
+    text = capsys.readouterr().out
+    assert "8 devices, global batch 16" in text and "(HSDP)" in text and "micro=" in text
+    assert main([*args, "--global-batch", "12"]) == 2
+    assert "multiple of the 8 ranks" in capsys.readouterr().err

@@ -142,7 +142,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CommStreams", "device_module", "use_device_module", "wait_event"]
+__all__ = ["CommStreams", "device_module", "stream_ordered", "use_device_module", "wait_event"]
 
 _override: Any = None
 _override_stream_ordered = False
@@ -153,6 +153,13 @@ def device_module(device: torch.device) -> Any:
     if _override is not None:
         return _override
     return torch.get_device_module(device)
+
+
+def stream_ordered(device_type: str) -> bool:
+    """Whether the engine takes its accelerator branches on ``device_type`` (see
+    ``CommStreams.stream_ordered``): on every device but the CPU, and under a substituted
+    device module as ``use_device_module`` says (the test accelerator: CPU tensors)."""
+    return _override_stream_ordered if _override is not None else device_type != "cpu"
 
 
 @contextlib.contextmanager
@@ -198,9 +205,7 @@ class CommStreams:
         # test group) a collective is finished by a host wait on its Work, and buffers the
         # engine allocated may be freed at once after that wait, once the streams that would
         # reuse them have waited too (a no-op on CPU, checked by the sanitizer).
-        self.stream_ordered = (
-            _override_stream_ordered if _override is not None else device.type != "cpu"
-        )
+        self.stream_ordered = stream_ordered(self.device_type)
         # High priority for the communication streams on CUDA, as torch's FSDP2: their kernels
         # are short and gate compute; other backends take the default.
         high = -1 if device.type == "cuda" else 0

@@ -7,7 +7,9 @@ import types
 from typing import Any
 
 from shardweave.fsdp.plan._apply import apply
-from shardweave.fsdp.plan._fit import FitConfig, FitResult, Fitted, fit, format_fit, parse_budget
+from shardweave.fsdp.plan._fit import FitResult, Fitted, fit, parse_budget
+from shardweave.fsdp.plan._fit_config import FitConfig
+from shardweave.fsdp.plan._fit_report import format_fit
 from shardweave.fsdp.plan._model import PlanError
 from shardweave.fsdp.plan._plan import plan
 from shardweave.fsdp.plan._report import format_table

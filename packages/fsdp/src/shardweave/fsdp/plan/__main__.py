@@ -10,33 +10,42 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
+from shardweave.fsdp.plan._activations import StepFn
+from shardweave.fsdp.plan._fit_config import BACKENDS
 from shardweave.fsdp.plan._model import PlanError
-from shardweave.fsdp.plan._plan import BACKENDS, DTYPE_NAMES, OPTIMIZER_STATES, plan
+from shardweave.fsdp.plan._plan import DTYPE_NAMES, OPTIMIZER_STATES, plan
 from shardweave.fsdp.plan._report import format_table
 
 
-def _load_factory(spec: str) -> Callable[[], nn.Module]:
+def _load_factory(spec: str, option: str = "--model") -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise PlanError(f"--model must be PKG.MODULE:FACTORY, got {spec!r}")
+        raise PlanError(f"{option} must be PKG.MODULE:FACTORY, got {spec!r}")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # let `demos.x:f` resolve from the current directory
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise PlanError(f"--model: cannot import {module_name!r}: {exc}") from exc
+        raise PlanError(f"{option}: cannot import {module_name!r}: {exc}") from exc
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
-            raise PlanError(f"--model: {module_name!r} has no attribute {attr!r}")
+            raise PlanError(f"{option}: {module_name!r} has no attribute {attr!r}")
         factory = getattr(factory, part)
     if not callable(factory):
-        raise PlanError(f"--model: {spec!r} is not callable")
+        raise PlanError(f"{option}: {spec!r} is not callable")
     return factory
+
+
+def _load_step(spec: str) -> StepFn | str:
+    """``--step``: a built-in (``auto``, ``labels``, ``sum``) or ``PKG.MODULE:FN``."""
+    if spec in ("auto", "labels", "sum"):
+        return spec
+    return _load_factory(spec, "--step")
 
 
 _INT_DTYPES = {"long": torch.long, "int64": torch.long, "int": torch.int32, "int32": torch.int32}
@@ -63,7 +72,15 @@ def _parse_sample(spec: str | None) -> tuple[tuple[int, ...], torch.dtype] | Non
     return shape, dtype
 
 
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise PlanError(f"{option}: {text!r} is not comma-separated integers") from None
+
+
 def _parser() -> argparse.ArgumentParser:
+    # Past 80 lines: one add_argument per option, nothing else.
     p = argparse.ArgumentParser(
         prog="python -m shardweave.fsdp.plan",
         description="Predict per-rank memory and per-step communication of fully_shard, "
@@ -88,7 +105,25 @@ def _parser() -> argparse.ArgumentParser:
         help="SHAPE[:DTYPE] of one step's input (e.g. 8x2048:long): adds the peak with "
         "activations, from one forward and backward under fake tensors",
     )
-    p.add_argument("--backend", default="nccl", choices=BACKENDS)
+    p.add_argument(
+        "--step",
+        default="auto",
+        help="the step trained, up to its loss: PKG.MODULE:FN with FN(model, batch) -> loss, "
+        "'labels' (transformers: model(input_ids=batch, labels=batch).loss), 'sum' (the first "
+        "floating output summed) or 'auto' (labels where forward takes labels, else sum)",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="DEVICE[/BACKEND] planned for: cuda/nccl (default), cpu/gloo, cuda/gloo; the "
+        "answer's first line names it",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=BACKENDS,
+        help="without --target: nccl (GPUs), gloo (CPU)",
+    )
     p.add_argument(
         "--offload",
         action="store_true",
@@ -111,6 +146,21 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-lower-precision",
         action="store_true",
         help="--fit: also try bf16 parameters (fp32 or bf16 reductions)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="--fit: samples per optimizer step over all ranks; fit then also chooses the layout "
+        "(FSDP over --mesh N, or HSDP RxS) and the local batch x accumulation steps",
+    )
+    p.add_argument(
+        "--devices-per-node", type=int, default=None, help="--fit: node size (default 8)"
+    )
+    p.add_argument(
+        "--accumulation",
+        default="1,2,4,8",
+        help="--fit with --global-batch: accumulation steps to try, comma-separated",
     )
     p.add_argument("--device", default="h100", help="--fit time model: h100 or a100")
     p.add_argument("--device-flops", type=float, default=None, help="override FLOP/s")
@@ -142,7 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             backward_prefetch=args.backward_prefetch,
             set_to_none=not args.keep_grads,
             sample_input=_parse_sample(args.sample_input),
+            step=_load_step(args.step),
             backend=args.backend,
+            target=args.target,
             offload=args.offload,
         )
     except PlanError as exc:
@@ -158,7 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main_fit(args: argparse.Namespace) -> int:
-    from shardweave.fsdp.plan._fit import DEVICES, fit, format_fit
+    from shardweave.fsdp.plan._fit import fit
+    from shardweave.fsdp.plan._fit_report import format_fit
+    from shardweave.fsdp.plan._time_model import DEVICES
 
     try:
         sample = _parse_sample(args.sample_input)
@@ -175,11 +229,16 @@ def _main_fit(args: argparse.Namespace) -> int:
             allow_lower_precision=args.allow_lower_precision,
             optimizer=args.optimizer,
             backend=args.backend,
+            target=args.target,
+            step=_load_step(args.step),
             device=args.device,
             device_flops=args.device_flops,
             shard_link_bytes_per_s=args.shard_link,
             replicate_link_bytes_per_s=args.replicate_link,
             host_link_bytes_per_s=args.host_link,
+            global_batch=args.global_batch,
+            devices_per_node=args.devices_per_node,
+            accumulation_choices=_ints(args.accumulation, "--accumulation"),
         )
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)

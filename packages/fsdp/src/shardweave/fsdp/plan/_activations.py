@@ -32,6 +32,7 @@ Design note: the fake step
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -47,11 +48,21 @@ from shardweave.fsdp.plan._model import ROOT_KEY, GroupSpec, PlanError
 from shardweave.fsdp.plan._schedule import Replay, ScheduleResult
 from shardweave.fsdp.plan._sharding import grad_made_in
 
-__all__ = ["FakeStepResult", "SampleInput", "describe_sample", "fake_mode", "run_fake_step"]
+__all__ = [
+    "FakeStepResult",
+    "SampleInput",
+    "Step",
+    "describe_sample",
+    "fake_mode",
+    "resolve_step",
+    "run_fake_step",
+]
 
 # A tensor (real or fake), a zero-argument factory of the input(s), or (shape, dtype).
 SampleInput = torch.Tensor | Callable[[], Any] | tuple[Sequence[int], torch.dtype]
 LossFn = Callable[[Any, Any], torch.Tensor]
+# One training step up to its loss: ``step(model, batch) -> loss`` (backward is the planner's).
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 def fake_mode() -> Any:
@@ -320,20 +331,95 @@ def default_loss(output: Any, _input: Any) -> torch.Tensor:
     raise PlanError("plan: the model's output has no floating-point tensor to take a loss of")
 
 
+@dataclass(frozen=True)
+class Step:
+    """The training step the fake step runs up to its loss, and what the report calls it."""
+
+    run: StepFn
+    description: str
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    return model(*(batch if isinstance(batch, tuple) else (batch,)))
+
+
+def _loss_step(loss_fn: LossFn) -> StepFn:
+    def run(model: nn.Module, batch: Any) -> torch.Tensor:
+        return loss_fn(_call(model, batch), batch)
+
+    return run
+
+
+def labels_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """transformers' training step for a model that takes ``labels``: the batch's token ids
+    are the input and the labels (the model shifts them for a causal LM), the loss is the
+    model's own (``output.loss``); the logits are dropped before backward, as in
+    ``model(input_ids=x, labels=x).loss.backward()``."""
+    if not isinstance(batch, torch.Tensor):
+        raise PlanError(
+            "plan: the 'labels' step needs the sample input as one tensor of token ids, got "
+            f"{type(batch).__name__}; pass step=fn(model, batch) -> loss for other inputs"
+        )
+    out = model(input_ids=batch, labels=batch)
+    loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise PlanError(
+            f"plan: the 'labels' step: {type(model).__name__}(input_ids=x, labels=x) returned "
+            "no loss; pass step=fn(model, batch) -> loss"
+        )
+    return loss
+
+
+def takes_labels(model: nn.Module) -> bool:
+    """Whether the model's ``forward`` names a ``labels`` argument (transformers' heads)."""
+    try:
+        return "labels" in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def resolve_step(
+    step: StepFn | str | None, loss_fn: LossFn | None, model: nn.Module | None
+) -> Step:
+    """The step to plan: ``step`` (a callable ``step(model, batch) -> loss``, ``"labels"``
+    or ``"sum"``), else ``loss_fn(output, batch)`` after ``model(batch)``, else (``None`` or
+    ``"auto"``) the ``labels`` built-in for a model whose forward takes ``labels``, and the
+    sum of the first floating output for any other."""
+    if step is not None and loss_fn is not None:
+        raise PlanError("plan: pass step= or loss_fn=, not both (a step computes its own loss)")
+    if callable(step):
+        name = getattr(step, "__qualname__", None) or type(step).__name__
+        return Step(step, f"{getattr(step, '__module__', '')}:{name}(model, batch)")
+    if loss_fn is not None:
+        name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+        return Step(_loss_step(loss_fn), f"model(batch), then loss_fn {name}(output, batch)")
+    if step not in (None, "auto", "labels", "sum"):
+        raise PlanError(
+            f"plan: step must be a callable step(model, batch) -> loss, 'labels', 'sum' or "
+            f"'auto', got {step!r}"
+        )
+    auto = step in (None, "auto")
+    if step == "labels" or (auto and model is not None and takes_labels(model)):
+        how = " (auto: its forward takes labels)" if auto else ""
+        return Step(labels_step, f"labels: model(input_ids=batch, labels=batch).loss{how}")
+    how = " (auto: pass step= for your loss)" if auto else ""
+    return Step(_loss_step(default_loss), f"sum: model(batch), first floating output summed{how}")
+
+
 def run_fake_step(
     model: nn.Module,
     mode: Any,
     specs: Sequence[GroupSpec],
     replay: Replay,
     sample: SampleInput,
-    loss_fn: LossFn | None,
+    step: StepFn,
     param_dtype: torch.dtype | None,
     extra_hooks: Callable[[nn.Module], list[Any]] | None = None,
     param_dtypes: Mapping[str, torch.dtype | None] | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> FakeStepResult:
-    """One forward and backward of ``model`` (built under ``mode``) on ``sample``.
-    ``extra_hooks``: installs more hooks after the engine's (``fit``'s fold markers) and
+    """One forward and backward of ``model`` (built under ``mode``) on ``sample``: ``step``
+    runs the forward up to the loss (``resolve_step``). ``extra_hooks``: installs more hooks after the engine's (``fit``'s fold markers) and
     returns their handles."""
     started = time.perf_counter()
     params_of = _swap_to_compute_dtype(
@@ -349,7 +435,6 @@ def run_fake_step(
     handles = _install_hooks(model, specs, replay, tracker, params_of, param_dtype)
     if extra_hooks is not None:
         handles += extra_hooks(model)
-    loss_of = loss_fn or default_loss
     get_rng_state = torch.get_rng_state
 
     def tracked_rng_state() -> torch.Tensor:
@@ -362,10 +447,7 @@ def run_fake_step(
     try:
         torch.get_rng_state = tracked_rng_state
         with mode, tracker:
-            args = inp if isinstance(inp, tuple) else (inp,)
-            out = model(*args)
-            loss = loss_of(out, inp)
-            del out
+            loss = step(model, inp)  # what else the forward returned is dropped on return
             replay.start_backward()
             loss.backward()  # type: ignore[no-untyped-call]
             del loss

@@ -14,6 +14,7 @@ and FLOPs include the recompute.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -21,10 +22,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardweave.fsdp._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardweave.fsdp._fsdp_streams import stream_ordered
 from shardweave.fsdp._fully_shard import fully_shard
+from shardweave.fsdp.plan._fit_config import DTYPES, Target, parse_target
 from shardweave.fsdp.plan._model import PlanError
 
-__all__ = ["apply", "checkpoint_blocks"]
+__all__ = ["applied_target", "apply", "checkpoint_blocks"]
 
 
 def _blocks(model: nn.Module, wrap: str) -> list[nn.Module]:
@@ -59,7 +62,15 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
     Args:
         model: the model to shard (materialized, or on meta to be initialized after).
         fitted: ``FitResult.best`` / any row of ``kept``, or a ``FitConfig``.
-        mesh: the ``DeviceMesh`` for ``fully_shard`` (default: the world, as ``fully_shard``).
+        mesh: the ``DeviceMesh`` for ``fully_shard``. Default: the layout fit planned
+            (``FitConfig.mesh``: ``(N,)``, or ``(R, S)`` built with dims named
+            ``("replicate", "shard")`` for HSDP), else the world as ``fully_shard``'s default.
+            A mesh of another shape than the planned one is an error.
+
+    Raises:
+        PlanError: the configuration was planned for another target (``FitConfig.target``)
+            than the one it is applied on (the mesh's device type and its process group's
+            backend); the message names both.
 
     Returns:
         ``model``, now an ``FSDPModule``.
@@ -70,11 +81,15 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
         model = apply(build(), result.best)
     """
     cfg = getattr(fitted, "config", fitted)
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
+    _check_target(parse_target(cfg.target), mesh)
+    mesh = _planned_mesh(cfg, mesh)
     mp = MixedPrecisionPolicy(
-        param_dtype=dtypes[cfg.param_dtype], reduce_dtype=dtypes[cfg.reduce_dtype]
+        param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
     )
-    offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()
+    # Pinned host memory where the runtime can pin it (a real accelerator); the test
+    # accelerator's "device" is the host, where pinning needs a runtime there is none of.
+    pin = torch.accelerator.is_available()
+    offload = CPUOffloadPolicy(pin_memory=pin) if cfg.offload else OffloadPolicy()
     kwargs: dict[str, Any] = {"mp_policy": mp, "offload_policy": offload}
     if mesh is not None:
         kwargs["mesh"] = mesh
@@ -89,3 +104,81 @@ def apply(model: nn.Module, fitted: Any, *, mesh: Any = None) -> nn.Module:
             fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=cfg.root_reshard_after_forward, **kwargs)
     return model
+
+
+def applied_target(mesh: Any = None) -> tuple[Target, bool]:
+    """The target ``fully_shard`` would run on here: the mesh's device type (default: the
+    current accelerator, else the CPU) and its process group's backend (``"?"`` before
+    ``init_process_group``); and whether the engine takes its accelerator branches there
+    (a CPU device under a stream-ordered device module: the test accelerator)."""
+    import torch.distributed as dist
+
+    if mesh is not None:
+        device = mesh.device_type
+    else:
+        found = (
+            torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        )
+        device = found.type if found is not None else "cpu"
+    backend = "?"
+    if dist.is_available() and dist.is_initialized():
+        group = mesh.get_group(0) if mesh is not None else None
+        named = str(dist.get_backend(group))
+        # a default group over several backends is named "cpu:gloo,cuda:nccl"
+        per_device = dict(part.split(":", 1) for part in named.split(",") if ":" in part)
+        backend = per_device.get(device, named)
+    return Target(device, backend), stream_ordered(device)
+
+
+def _check_target(planned: Target, mesh: Any) -> None:
+    here, accelerator_branches = applied_target(mesh)
+    if accelerator_branches and not here.accelerator:
+        # The test accelerator runs an accelerator's schedule over CPU tensors: it stands for
+        # any accelerator target, and for no CPU one (whose schedule it does not run).
+        device_ok = planned.accelerator
+    else:
+        device_ok = here.device == planned.device
+    backend_ok = here.backend in ("?", planned.backend)
+    if device_ok and backend_ok:
+        return
+    also = ""
+    if accelerator_branches and not here.accelerator:
+        also = " (the engine's accelerator branches over CPU tensors: the test accelerator)"
+    raise PlanError(
+        f"apply: this configuration was planned for {planned}, and is applied on "
+        f"{here}{also}; plan it again for this target (fit(..., target='{here}'), "
+        f"--target {here}) or apply it on {planned}"
+    )
+
+
+def _planned_mesh(cfg: Any, mesh: Any) -> Any:
+    """The mesh to shard on: ``mesh`` if given (its shape must be the planned layout's), else
+    the planned layout built over the world (``None`` where fit stated none)."""
+    planned = tuple(getattr(cfg, "mesh", ()))
+    if mesh is not None:
+        if planned and tuple(mesh.shape) != planned:
+            raise PlanError(
+                f"apply: this configuration was planned for a {'x'.join(map(str, planned))} "
+                f"mesh, and the mesh given is {'x'.join(map(str, mesh.shape))}; pass a mesh of "
+                "that shape, or none (apply builds it)"
+            )
+        return mesh
+    if not planned:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() != math.prod(planned)
+    ):
+        raise PlanError(
+            f"apply: this configuration was planned for {math.prod(planned)} ranks (mesh "
+            f"{'x'.join(map(str, planned))}), and the world has {dist.get_world_size()}; plan "
+            "again for this world, or run it on that many"
+        )
+
+    device = applied_target(None)[0].device
+    names = ("replicate", "shard") if len(planned) == 2 else None
+    return init_device_mesh(device, planned, mesh_dim_names=names)

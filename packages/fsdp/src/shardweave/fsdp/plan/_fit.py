@@ -2,6 +2,11 @@
 predicted peak (activations and communication buffers included) fits a per-rank budget, and
 rank them by a stated step-time estimate (``python -m shardweave.fsdp.plan --fit 24GiB``).
 
+``fit`` reads as its four steps: the search space (``_search_space``), the fake steps
+(``_fake_steps``: one per activation trace, ``_recording``), every configuration replayed and
+timed (``_replays``, the time model of ``_time_model``), and the answer (``_answer``: what
+fits, fastest first, or the advice when nothing does).
+
 Design note: one fake step per activation trace
     What a configuration changes splits in two. The wrapping, the compute dtype
     (``param_dtype``) and the activation checkpointing change which tensors the model makes:
@@ -13,33 +18,10 @@ Design note: one fake step per activation trace
     recorded calls into a fresh ``Replay`` built from their own traffic, with no tensors. So a
     search of ``W`` wrappings costs ``W x checkpointing choices x compute dtypes`` fake steps
     and one cheap replay per configuration.
-
-Design note: the step-time estimate (docs/framework_guide.md, "Make it fit", defines each term)
-    compute   = FLOPs of the fake step (forward + backward, a checkpoint's recompute counted,
-                from torch's ``flop_registry``) / device FLOP/s for the compute dtype
-    comm      = sum over collectives of bus bytes / link bandwidth + latency, a ring's bus
-                bytes being ``(n-1)/n`` of the all-gather output or reduce-scatter input
-                (``2(n-1)/n`` of an all-reduce's buffer); the shard dimension uses
-                ``shard_link`` bandwidth, the HSDP replicate dimension ``replicate_link``; the
-                latency is NCCL's ring model (``Device.ring_latency``: a fixed cost plus one
-                per ring step, NVLink within a node, the network between nodes)
-    exposed   = what the engine's schedule cannot hide behind compute: the root's forward
-                all-gather (nothing runs before it) and the last reduction (nothing runs after
-                it), plus whatever of the rest exceeds compute (``max(0, comm - compute)``)
-    offload   = host<->device bytes (the shards copied to the device for every all-gather,
-                sharded gradients copied back) / host link bandwidth, not overlapped
-    optimizer = bytes the optimizer step streams (sharded parameters read and written,
-                gradients read, states read and written) / device memory bandwidth, or host
-                memory bandwidth with offload (the step runs on the CPU); after backward, not
-                overlapped
-    step      = compute + exposed + offload + optimizer; the term that dominates is named.
-    It is an estimate: peak numbers, no kernel efficiency, no contention between links.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
 import json
 import math
@@ -47,26 +29,28 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass, field, replace
 from typing import Any, Final
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy
-from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
-from shardweave.fsdp.plan._activations import SampleInput, fake_mode, run_fake_step
-from shardweave.fsdp.plan._apply import checkpoint_blocks
-from shardweave.fsdp.plan._fold import (
-    Fold,
-    FoldMismatch,
-    cut,
-    find_fold,
-    install_markers,
-    kept_specs,
-    unfold,
+from shardweave.fsdp.plan._activations import LossFn, SampleInput, Step, StepFn, resolve_step
+from shardweave.fsdp.plan._fit_config import (
+    DTYPES,
+    FitConfig,
+    Target,
+    every_label,
+    parse_target,
+    reduce_label,
+)
+from shardweave.fsdp.plan._layouts import (
+    ACCUMULATION_CHOICES,
+    Layout,
+    layouts,
+    microbatches,
+    sample_of,
 )
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
@@ -75,95 +59,14 @@ from shardweave.fsdp.plan._model import (
     discover_groups,
     module_wrap_predicate,
 )
-from shardweave.fsdp.plan._plan import (
-    BACKENDS,
-    OPTIMIZER_STATES,
-    group_plans,
-    parse_mesh,
-)
+from shardweave.fsdp.plan._plan import OPTIMIZER_STATES, group_plans, parse_mesh
+from shardweave.fsdp.plan._recording import compress, flops_and_trace, play
 from shardweave.fsdp.plan._report import format_bytes
-from shardweave.fsdp.plan._schedule import GroupTraffic, Replay
+from shardweave.fsdp.plan._schedule import Replay
 from shardweave.fsdp.plan._sharding import grad_made_in
+from shardweave.fsdp.plan._time_model import DEVICES, STEP_TERMS, Device, time_terms
 
-__all__ = ["DEVICES", "FitConfig", "FitResult", "Fitted", "fit", "parse_budget"]
-
-
-@dataclass(frozen=True)
-class Device:
-    """Throughput numbers for the time estimate (each default's source is in ``source``)."""
-
-    bf16_flops: float  # dense, tensor cores (also used for fp16)
-    fp32_flops: float  # plain FP32 (no TF32): torch's default for float32 matmuls
-    intra_node_bytes_per_s: float  # per GPU, one direction
-    inter_node_bytes_per_s: float  # per GPU, one direction
-    host_bytes_per_s: float  # host <-> device, one direction
-    gpus_per_node: int
-    source: str
-    hbm_bytes_per_s: float = 3.35e12  # device memory: the optimizer step reads and writes it
-    host_memory_bytes_per_s: float = 76.8e9  # per GPU: the offloaded optimizer step's
-    # NCCL's ring/Simple latency model: a fixed cost per collective plus one per ring step,
-    # over NVLink within a node or over the network between nodes (see ``ring_latency``)
-    collective_latency_s: float = 8.4e-6
-    nvlink_step_latency_s: float = 3.4e-6
-    network_step_latency_s: float = 9.6e-6
-
-    def ring_latency(self, ranks: int, nodes: int, all_reduce: bool = False) -> float:
-        """Seconds of latency of one ring collective over ``ranks`` on ``nodes`` nodes:
-        ``ranks - 1`` steps (twice that for an all-reduce), ``nodes - 1`` of them (twice)
-        crossing the network."""
-        if ranks <= 1:
-            return 0.0
-        k = 2 if all_reduce else 1
-        steps, network = k * (ranks - 1), k * (max(nodes, 1) - 1)
-        return (
-            self.collective_latency_s
-            + (steps - network) * self.nvlink_step_latency_s
-            + network * self.network_step_latency_s
-        )
-
-
-# Vendor datasheet numbers (peak, not achieved): NVIDIA H100 SXM5 datasheet (bf16 dense
-# 989.4 TFLOP/s, FP32 66.9 TFLOP/s, NVLink 4 900 GB/s bidirectional = 450 GB/s per direction),
-# one ConnectX-7 NDR 400 Gb/s (50 GB/s) per GPU between nodes, PCIe gen5 x16 (64 GB/s per
-# direction, 128 GT/s raw). A100 SXM4 datasheet: bf16 dense 312 TFLOP/s, FP32 19.5 TFLOP/s,
-# NVLink 3 600 GB/s bidirectional, HDR 200 Gb/s IB, PCIe gen4 x16 32 GB/s. Device memory:
-# H100 SXM5 HBM3 3.35 TB/s, A100 SXM4 80 GB HBM2e 2.039 TB/s (datasheets). Host memory per
-# GPU: the DGX system's CPU sockets' peak DRAM bandwidth shared by its 8 GPUs (DGX H100: two
-# Xeon 8480C, 8 channels of DDR5-4800 each, 614 GB/s; DGX A100: two EPYC 7742, 8 channels of
-# DDR4-3200 each, 410 GB/s). Collective latencies: NCCL's tuning model (src/graph/tuning.cc,
-# ring with the Simple protocol, which large FSDP collectives use): 8.4 us per collective,
-# 3.4 us per ring step over NVLink, 9.6 us per step over the network.
-DEVICES: Final[dict[str, Device]] = {
-    "h100": Device(
-        989.4e12,
-        66.9e12,
-        450e9,
-        50e9,
-        64e9,
-        8,
-        "NVIDIA H100 SXM5 datasheet (bf16 dense, FP32, HBM3), NVLink 4 per direction, "
-        "InfiniBand NDR 400 Gb/s per GPU, PCIe gen5 x16, DGX H100 host DRAM per GPU, "
-        "NCCL's ring latency model",
-        hbm_bytes_per_s=3.35e12,
-        host_memory_bytes_per_s=76.8e9,
-    ),
-    "a100": Device(
-        312e12,
-        19.5e12,
-        300e9,
-        25e9,
-        32e9,
-        8,
-        "NVIDIA A100 SXM4 80 GB datasheet (bf16 dense, FP32, HBM2e), NVLink 3 per direction, "
-        "InfiniBand HDR 200 Gb/s per GPU, PCIe gen4 x16, DGX A100 host DRAM per GPU, "
-        "NCCL's ring latency model",
-        hbm_bytes_per_s=2.039e12,
-        host_memory_bytes_per_s=51.2e9,
-    ),
-}
-
-# What a step's estimated time adds up (seconds each; see _time_terms).
-STEP_TERMS: Final = ("compute", "exposed_comm", "offload", "optimizer")
+__all__ = ["FitResult", "Fitted", "fit", "parse_budget"]
 
 _UNITS: Final[dict[str, int]] = {
     "": 1,
@@ -205,57 +108,24 @@ def parse_budget(budget: int | float | str) -> int:
 
 
 @dataclass(frozen=True)
-class FitConfig:
-    """One configuration: everything ``apply`` needs to reproduce it."""
-
-    wrap: str | None  # module class name wrapped with fully_shard (None: the root only)
-    reshard_after_forward: bool | int
-    root_reshard_after_forward: bool
-    param_dtype: str | None
-    reduce_dtype: str | None
-    checkpoint_every: int  # 0: none, 1: every wrapped block, k: every k-th (the 1st, k+1th, ...)
-    offload: bool
-    forward_prefetch: int = 0
-    backward_prefetch: int = 1
-    reduce_scatter_max_input_buffers: int = 1
-
-    def describe(self) -> str:
-        ac = _every(self.checkpoint_every)
-        return (
-            f"wrap={self.wrap or '-'} reshard={self.reshard_after_forward} "
-            f"root_reshard={self.root_reshard_after_forward} "
-            f"mp={self.param_dtype or 'fp32'}/{_reduce_label(self.param_dtype, self.reduce_dtype)} "
-            f"checkpoint={ac} offload={self.offload}"
-        )
-
-
-def _reduce_label(param: str | None, reduce: str | None, model: str = "fp32") -> str:
-    """The dtype gradients are reduced in: ``reduce``, or without it the parameters' own
-    dtype from torch 2.15 (``REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE``) and ``param`` before."""
-    if reduce is not None:
-        return reduce
-    if param is None or REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE:
-        return model
-    return param
-
-
-def _every(k: int) -> str:
-    if k <= 1:
-        return "none" if k == 0 else "every block"
-    suffix = {2: "nd", 3: "rd"}.get(k % 10 if k % 100 not in (12, 13) else 0, "th")
-    return f"every {k}{suffix} block"
-
-
-@dataclass(frozen=True)
 class Fitted:
     config: FitConfig
     peak_bytes: int
     step_seconds: float
     terms: dict[str, float]  # STEP_TERMS and comm (seconds), flops
     dominant: str
+    # Twins: configurations with this peak and step time that differ from ``config`` in one
+    # setting only (which then changes neither): one row, these its alternatives.
+    alternatives: tuple[FitConfig, ...] = ()
 
     def margin(self, budget: int) -> int:
         return budget - self.peak_bytes
+
+    def alternative_settings(self) -> list[dict[str, object]]:
+        """Each alternative as the settings it changes, e.g. ``{"root_reshard_after_forward":
+        True}``."""
+        mine = asdict(self.config)
+        return [{k: v for k, v in asdict(alt).items() if mine[k] != v} for alt in self.alternatives]
 
 
 @dataclass(frozen=True)
@@ -271,6 +141,10 @@ class FitResult:
     mesh: tuple[int, ...] = ()
     folded: tuple[str, ...] = ()  # per folded fake step, what ran (``_fold``)
     device: str = ""
+    step: str = ""  # the step planned, up to its loss (``_activations.resolve_step``)
+    target: str = ""  # the device type and backend planned for (``Target``)
+    global_batch: int | None = None  # with it, layouts and microbatches were searched
+    ruled_out: int = 0  # searched but not replayed: shards and optimizer state over budget
 
     @property
     def best(self) -> Fitted | None:
@@ -279,18 +153,23 @@ class FitResult:
     def to_dict(self) -> dict[str, object]:
         def row(f: Fitted) -> dict[str, object]:
             return {
-                "config": dataclasses.asdict(f.config),
+                "config": asdict(f.config),
                 "peak_bytes": f.peak_bytes,
                 "step_seconds": f.step_seconds,
                 "margin_bytes": self.budget_bytes - f.peak_bytes,
                 "terms_seconds": f.terms,
                 "dominant": f.dominant,
+                "alternatives": f.alternative_settings(),
             }
 
         return {
+            "target": self.target,
             "budget_bytes": self.budget_bytes,
+            "step": self.step,
             "kept": [row(f) for f in self.kept],
             "searched": self.searched,
+            "ruled_out_before_replay": self.ruled_out,
+            "global_batch": self.global_batch,
             "search_seconds": self.search_seconds,
             "search_space": self.search_space,
             "fake_steps": self.fake_steps,
@@ -303,101 +182,213 @@ class FitResult:
         return json.dumps(self.to_dict(), indent=1, default=str) + "\n"
 
 
-# --- recording the fake step's calls into the replay -------------------------------------------
+# --- step 1: the problem and the search space --------------------------------------------------
 
 
-class _Bytes(dict[str, int]):
-    """The replay's counters; records writes made from outside the replay (a gradient moved
-    from "activations" to "unsharded gradients" by the fake step's tracker)."""
+@dataclass(frozen=True)
+class _Problem:
+    """What every step of the search reads: the model, the step it trains, the mesh, the
+    optimizer, the backend and the time model's numbers."""
 
-    owner: _RecordingReplay
+    factory: Callable[[], nn.Module]
+    meta_model: nn.Module
+    sample: SampleInput
+    step: Step
+    budget_bytes: int
+    dims: tuple[int, ...]  # the mesh fit was given
+    states: int
+    target: Target
+    device: Device
+    device_flops: float | None
+    layouts: tuple[Layout, ...]  # the first: FSDP over all ranks, or the mesh given
+    microbatches: tuple[tuple[int, int], ...]  # (local batch, accumulation steps)
+    global_batch: int | None
+    fold: bool
+    specs_cache: dict[tuple[str | None, int], list[GroupSpec]] = field(default_factory=dict)
+    # group_plans per configuration: traces of other checkpointing and local batches share it
+    plans_cache: dict[tuple[Any, ...], tuple[Any, Any]] = field(default_factory=dict)
 
-    def __setitem__(self, key: str, value: int) -> None:
-        rec = getattr(self, "owner", None)
-        if rec is not None and rec.depth == 0:
-            rec.events.append(("bytes", key, value - self.get(key, 0)))
-        super().__setitem__(key, value)
-
-
-class _RecordingReplay(Replay):
-    """A ``Replay`` that also records every call made into it by the fake step."""
-
-    def __init__(self, groups: list[GroupTraffic], **kwargs: Any) -> None:
-        self.depth = 1
-        self.events: list[tuple[Any, ...]] = []
-        super().__init__(groups, **kwargs)
-        b = _Bytes(self.bytes)
-        b.owner = self
-        self.bytes = b
-        self.depth = 0
-
-    def _call(self, name: str, *args: Any) -> None:
-        if self.depth == 0:
-            self.events.append((name, *args))
-        self.depth += 1
-        try:
-            getattr(Replay, name)(self, *args)
-        finally:
-            self.depth -= 1
-
-    def add(self, category: str, delta: int, group: str, event: str) -> None:
-        self._call("add", category, delta, group, event)
-
-    def mark(self, kind: str, block: int) -> None:
-        """A fold marker (``_fold``): not a call into the replay."""
-        if self.depth == 0:
-            self.events.append(("mark", kind, block))
-
-    def pre_forward(self, key: str) -> None:
-        self._call("pre_forward", key)
-
-    def post_forward(self, key: str) -> None:
-        self._call("post_forward", key)
-
-    def start_backward(self) -> None:
-        self._call("start_backward")
-
-    def pre_backward(self, key: str) -> None:
-        self._call("pre_backward", key)
-
-    def final_callback(self) -> None:
-        self._call("final_callback")
-
-    def post_backward(self, key: str, free_grads: Callable[[], None] | None = None) -> None:
-        nested: list[tuple[Any, ...]] = []
-        if self.depth == 0:
-            self.events.append(("post_backward", key, nested))
-
-        def recorded_free() -> None:
-            outer, saved = self.events, self.depth
-            self.events, self.depth = nested, 0
-            try:
-                if free_grads is not None:
-                    free_grads()
-            finally:
-                self.events, self.depth = outer, saved
-
-        self.depth += 1
-        try:
-            Replay.post_backward(self, key, free_grads=recorded_free)
-        finally:
-            self.depth -= 1
+    @property
+    def shard_size(self) -> int:  # the first layout's: what the fake steps' groups assume
+        return self.layouts[0].shard
 
 
-def _play(replay: Replay, events: Sequence[tuple[Any, ...]]) -> None:
-    for ev in events:
-        name = ev[0]
-        if name == "flops":
-            continue
-        if name == "bytes":
-            replay.bytes[ev[1]] += ev[2]
-        elif name == "post_backward":
-            replay.post_backward(ev[1], free_grads=functools.partial(_play, replay, ev[2]))
-        else:
-            getattr(replay, name)(*ev[1:])
+@dataclass(frozen=True)
+class _Space:
+    """The choices ``fit`` combines (see ``describe`` for what the answer prints of them)."""
+
+    wraps: tuple[str | None, ...]
+    reshards: tuple[bool | int, ...]
+    root_reshards: tuple[bool, ...]
+    precisions: tuple[tuple[str | None, str | None], ...]
+    checkpoints: tuple[int, ...]
+    offloads: tuple[bool, ...]
+    lower_allowed: bool
+
+    def describe(self, problem: _Problem) -> dict[str, object]:
+        links, dev = problem.layouts[0].links, problem.device
+        shapes: dict[str, object] = {}
+        if problem.global_batch is not None:
+            shapes = {
+                "layout (replicate x shard)": [x.label for x in problem.layouts],
+                "microbatch (local batch x accumulation)": [
+                    f"{b}x{a}" for b, a in problem.microbatches
+                ],
+            }
+        return {
+            **shapes,
+            "wrap": [w or "(root only)" for w in self.wraps],
+            "reshard_after_forward": list(self.reshards)
+            + ([f"{_NODE_RESHARDS} where it divides the shard size"] if shapes else []),
+            "root_reshard_after_forward": list(self.root_reshards),
+            "mixed_precision (param, reduce)": [
+                [p or "model dtype", reduce_label(p, r, "model dtype")] for p, r in self.precisions
+            ],
+            "activation_checkpointing": [every_label(k) for k in self.checkpoints],
+            "cpu_offload": list(self.offloads)
+            if problem.target.accelerator
+            else "not searched: on a CPU target the host is the device, offload moves nothing off it",
+            "not searched (fixed)": {
+                "forward_prefetch": 0,
+                "backward_prefetch": 1,
+                "reduce_scatter_max_input_buffers": 1,
+                "why": "the planner models them, but their memory effect is small and a time "
+                "model of deeper prefetch is not built yet",
+            },
+            "time model": {
+                "device": dev.source,
+                "compute_flops_per_s": {
+                    "low precision": problem.device_flops or dev.bf16_flops,
+                    "fp32": problem.device_flops or dev.fp32_flops,
+                },
+                "shard_link_bytes_per_s": links.shard_bw
+                if not shapes
+                else "NVLink within a node, the network across nodes",
+                "replicate_link_bytes_per_s": links.repl_bw
+                if not shapes
+                else "NVLink when the whole mesh is one node, else the network",
+                "devices_per_node": dev.gpus_per_node,
+                "host_link_bytes_per_s": links.host_bw,
+                "device_memory_bytes_per_s": dev.hbm_bytes_per_s,
+                "host_memory_bytes_per_s": dev.host_memory_bytes_per_s,
+                "collective_latency_s": {
+                    "base": dev.collective_latency_s,
+                    "per_ring_step_nvlink": dev.nvlink_step_latency_s,
+                    "per_ring_step_network": dev.network_step_latency_s,
+                },
+                "step": " + ".join(STEP_TERMS),
+            },
+        }
 
 
-# --- the search --------------------------------------------------------------------------------
+def _problem(
+    factory: Callable[[], nn.Module],
+    sample: SampleInput,
+    step: tuple[StepFn | str | None, LossFn | None],
+    budget: int | float | str,
+    mesh: int | Sequence[int] | str,
+    optimizer: str,
+    target: Target,
+    device: tuple[str | Device, float | None, int | None],
+    links: dict[str, float | None],
+    batch: tuple[int | None, Sequence[int]],
+    fold: bool,
+) -> _Problem:
+    """The inputs checked and read: the meta model, the layouts and microbatches searched
+    (one of each without a global batch), the time model's device."""
+    budget_bytes = parse_budget(budget)
+    dims = parse_mesh(mesh)
+    states = OPTIMIZER_STATES[optimizer.lower().replace("-", "_")]
+    name, device_flops, per_node = device
+    dev = DEVICES[name] if isinstance(name, str) else name
+    if per_node is not None:
+        dev = replace(dev, gpus_per_node=per_node)
+    global_batch, accumulation = batch
+    meta_model = _meta_model(factory)
+    return _Problem(
+        factory,
+        meta_model,
+        sample,
+        resolve_step(*step, meta_model),
+        budget_bytes,
+        dims,
+        states,
+        target,
+        dev,
+        device_flops,
+        layouts(dims, dev, global_batch is not None, links),
+        microbatches(global_batch, math.prod(dims), sample, accumulation),
+        global_batch,
+        fold,
+    )
+
+
+def _meta_model(factory: Callable[[], nn.Module]) -> nn.Module:
+    if not callable(factory) or isinstance(factory, nn.Module):
+        raise PlanError("fit: pass the model as a zero-argument factory (built on meta/fake)")
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:
+        raise PlanError(
+            f"fit: the model factory cannot build on the meta device "
+            f"({type(exc).__name__}: {exc}); build parameters from shapes only"
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"fit: the factory returned {type(model).__name__}")
+    return model
+
+
+def _search_space(
+    problem: _Problem,
+    wrap: Sequence[str] | str | None,
+    allow_lower_precision: bool,
+    lower_dtype: str,
+    checkpoint_choices: Sequence[int],
+    offload_choices: Sequence[bool],
+) -> _Space:
+    candidates = _repeated_classes(problem.meta_model)
+    present = {type(m).__name__ for m in problem.meta_model.modules()}
+    if wrap is None:
+        wraps: list[str | None] = [*candidates[:3], None]
+    else:
+        names = [w.strip() for w in (wrap.split(",") if isinstance(wrap, str) else wrap)]
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise PlanError(
+                f"fit: wrap class(es) {missing} are not in the model; candidates (repeated "
+                f"blocks): {candidates or sorted(present)}"
+            )
+        wraps = list(names)
+    reshards = _reshards(problem.shard_size) if problem.global_batch is None else [True, False]
+    precisions: list[tuple[str | None, str | None]] = [(None, None)]
+    if allow_lower_precision:
+        precisions += [(lower_dtype, "fp32"), (lower_dtype, None)]
+    # Offload moves bytes off the device only where the device is not the host.
+    offloads = tuple(offload_choices) if problem.target.accelerator else (False,)
+    return _Space(
+        wraps=tuple(wraps),
+        reshards=tuple(reshards),
+        root_reshards=(False, True),
+        precisions=tuple(precisions),
+        checkpoints=tuple(checkpoint_choices),
+        offloads=offloads,
+        lower_allowed=allow_lower_precision,
+    )
+
+
+_NODE_RESHARDS: Final = (8, 4, 2)
+
+
+def _reshards(shard_size: int) -> list[bool | int]:
+    """``True``, ``False``, and resharding to a node-sized group where it divides the shard
+    size (the first of ``_NODE_RESHARDS``)."""
+    found: list[bool | int] = [True, False]
+    for n in _NODE_RESHARDS:
+        if 1 < n < shard_size and shard_size % n == 0:
+            found.append(n)
+            break
+    return found
 
 
 def _repeated_classes(model: nn.Module) -> list[str]:
@@ -424,172 +415,334 @@ def _repeated_classes(model: nn.Module) -> list[str]:
 _TORCH_NN: Final = frozenset(n for n in dir(nn) if isinstance(getattr(nn, n), type))
 
 
-def _checkpoint_forwards(model: nn.Module, wrap: str, every: int) -> None:
-    """Activation checkpointing as ``apply`` installs it (see ``_apply``)."""
-    checkpoint_blocks(model, wrap, every)
+# --- step 2: one fake step per activation trace ------------------------------------------------
 
 
-def _flops_and_trace(
-    factory: Callable[[], nn.Module],
+@dataclass
+class _Trace:
+    """One recorded fake step: what it ran (wrapping, compute dtype, checkpointing) and what
+    every configuration sharing it replays."""
+
+    wrap: str | None
+    specs: list[GroupSpec]
+    precision: tuple[str | None, str | None]
+    mp: MixedPrecisionPolicy
+    checkpoint_every: int
+    microbatch: tuple[int, int]  # (local batch, accumulation steps)
+    events: list[tuple[Any, ...]]
+    flops: float
+    flops_per_s: float
+    folded: str | None
+    ran: bool = True  # False: it shares the fake step of an earlier trace
+
+
+def _fake_steps(problem: _Problem, space: _Space) -> Iterator[_Trace]:
+    """Each wrapping x compute dtype x checkpointing x local batch choice's fake step,
+    recorded (one at a time: a trace's events are dropped once its configurations are
+    replayed). Precisions that differ only in a reduce dtype that leaves the gradients' dtype
+    as it is share one fake step (its recorded calls are the same)."""
+    for w in space.wraps:
+        pred = module_wrap_predicate(w)
+
+        def specs_of(model: nn.Module, pred: Any = pred) -> list[GroupSpec]:
+            return discover_groups(model, pred, shard_size=problem.shard_size)
+
+        specs = specs_of(problem.meta_model)
+        n_blocks = sum(1 for s in specs if s.key != ROOT_KEY)
+        acs = [k for k in space.checkpoints if k == 0 or (w is not None and k <= max(n_blocks, 1))]
+        for every, micro in itertools.product(acs, problem.microbatches):
+            ran: dict[tuple[Any, ...], tuple[list[tuple[Any, ...]], float, str | None]] = {}
+            for pd, rd in space.precisions:
+                mp = MixedPrecisionPolicy(param_dtype=DTYPES[pd], reduce_dtype=DTYPES[rd])
+                key = (mp.param_dtype, _grad_dtypes(specs, mp))
+                shared = key in ran
+                if not shared:
+                    ran[key] = _record(problem, specs, specs_of, mp, w, every, micro[0])
+                events, flops, folded = ran[key]
+                yield _Trace(
+                    w,
+                    specs,
+                    (pd, rd),
+                    mp,
+                    every,
+                    micro,
+                    events,
+                    flops,
+                    _flops_per_s(problem, specs, mp),
+                    None if shared else folded,
+                    ran=not shared,
+                )
+
+
+def _grad_dtypes(specs: list[GroupSpec], mp: MixedPrecisionPolicy) -> tuple[str, ...]:
+    """The dtypes the fake step's gradients are made in (``grad_made_in``)."""
+    found = set()
+    for s in specs:
+        for p in s.params:
+            if p.requires_grad:
+                compute = mp.param_dtype if p.dtype.is_floating_point else None
+                made = grad_made_in(p.dtype, compute or p.dtype, mp.reduce_dtype)
+                found.add(str(made))
+    return tuple(sorted(found))
+
+
+def _record(
+    problem: _Problem,
+    specs: list[GroupSpec],
     specs_of: Callable[[nn.Module], list[GroupSpec]],
-    traffic: list[GroupTraffic],
-    sample: SampleInput,
-    loss_fn: Any,
-    param_dtype: torch.dtype | None,
+    mp: MixedPrecisionPolicy,
     wrap: str | None,
     every: int,
-    fold: bool = True,
-    reduce_dtype: torch.dtype | None = None,
-) -> tuple[list[tuple[Any, ...]], float, Fold | None]:
-    """One recorded fake step (its events, FLOPs included) for a wrapping, precision and
-    checkpointing choice; over a few blocks of a stack of alike blocks when ``fold``
-    (``_fold``), else, or when the kept blocks do not repeat, over the whole model."""
+    local_batch: int,
+) -> tuple[list[tuple[Any, ...]], float, str | None]:
+    """One fake step, recorded and compressed (``_recording.compress``): its events, FLOPs and
+    what a fold ran."""
+    base_traffic = group_plans(
+        specs,
+        True,
+        False,
+        problem.shard_size,
+        mp,
+        problem.states,
+        problem.layouts[0].replicate,
+        problem.target.backend,
+        False,
+    )[1]
+    events, flops, stack = flops_and_trace(
+        problem.factory,
+        specs_of,
+        base_traffic,
+        sample_of(problem.sample, local_batch),
+        problem.step.run,
+        mp.param_dtype,
+        wrap,
+        every,
+        problem.fold,
+        mp.reduce_dtype,
+    )
+    folded = None if stack is None else f"{stack.fqn}: {stack.blocks} blocks run as {stack.keep}"
+    return compress(events), flops, folded
 
-    def build() -> tuple[Any, nn.Module, list[GroupSpec]]:
-        mode = fake_mode()
-        with mode:
-            model = factory()
-        specs = specs_of(model)
-        if wrap is not None and every:
-            _checkpoint_forwards(model, wrap, every)
-        return mode, model, specs
 
-    mode, model, specs = build()
-    stack = find_fold(model, period=max(every, 1)) if fold else None
-    if stack is not None:
-        try:
-            events = _trace(
-                model, mode, specs, stack, traffic, sample, loss_fn, param_dtype, reduce_dtype
+def _flops_per_s(problem: _Problem, specs: list[GroupSpec], mp: MixedPrecisionPolicy) -> float:
+    low = mp.param_dtype in (torch.bfloat16, torch.float16) or (
+        mp.param_dtype is None
+        and any(p.dtype in (torch.bfloat16, torch.float16) for s in specs for p in s.params)
+    )
+    dev = problem.device
+    return problem.device_flops or (dev.bf16_flops if low else dev.fp32_flops)
+
+
+# --- step 3: every configuration sharing a trace, replayed and timed ---------------------------
+
+
+@dataclass
+class _Pruned:
+    """Configurations not replayed: their shards and optimizer state alone are over the budget
+    and above a peak already found (so none of them is kept, nor the smallest)."""
+
+    smallest_peak: int | None = None
+    count: int = 0
+
+
+def _replays(problem: _Problem, space: _Space, trace: _Trace, pruned: _Pruned) -> Iterator[Fitted]:
+    """Every configuration sharing ``trace``: each layout, the blocks' and the root's
+    resharding, offload."""
+    local_batch, accumulation = trace.microbatch
+    for layout in problem.layouts:
+        specs = _specs(problem, trace.wrap, layout.shard)
+        # With no wrapped blocks the blocks' reshard is moot: one value.
+        reshards = _reshards(layout.shard) if trace.wrap is not None else [True]
+        if problem.global_batch is None and trace.wrap is not None:
+            reshards = list(space.reshards)
+        for reshard, root_reshard, offload in itertools.product(
+            reshards, space.root_reshards, space.offloads
+        ):
+            cfg = FitConfig(
+                wrap=trace.wrap,
+                reshard_after_forward=reshard,
+                root_reshard_after_forward=root_reshard,
+                param_dtype=trace.precision[0],
+                reduce_dtype=trace.precision[1],
+                checkpoint_every=trace.checkpoint_every,
+                offload=offload,
+                target=str(problem.target),
+                mesh=layout.dims,
+                local_batch=local_batch,
+                grad_accumulation=accumulation,
             )
-            return events, float(sum(_flops(events))), stack
-        except FoldMismatch:
-            mode, model, specs = build()  # the cut was made in place: a whole model again
-    events = _trace(model, mode, specs, None, traffic, sample, loss_fn, param_dtype, reduce_dtype)
-    return events, float(sum(_flops(events))), None
+            fitted = _replay(problem, trace, cfg, layout, specs, pruned)
+            if fitted is not None:
+                yield fitted
 
 
-def _trace(
-    model: nn.Module,
-    mode: Any,
+def _specs(problem: _Problem, wrap: str | None, shard_size: int) -> list[GroupSpec]:
+    key = (wrap, shard_size)
+    if key not in problem.specs_cache:
+        pred = module_wrap_predicate(wrap)
+        problem.specs_cache[key] = discover_groups(problem.meta_model, pred, shard_size=shard_size)
+    return problem.specs_cache[key]
+
+
+def _replay(
+    problem: _Problem,
+    trace: _Trace,
+    cfg: FitConfig,
+    layout: Layout,
     specs: list[GroupSpec],
-    stack: Fold | None,
-    traffic: list[GroupTraffic],
-    sample: SampleInput,
-    loss_fn: Any,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-) -> list[tuple[Any, ...]]:
-    run_specs = specs
-    if stack is not None:
-        cut(model, stack)
-        run_specs = kept_specs(model, specs)
-    rec = _RecordingReplay(traffic, keep_timeline=False)
-    markers = (lambda m: install_markers(m, stack, rec)) if stack is not None else None
-    try:
-        with _FlopCounter(rec):
-            run_fake_step(
-                model,
-                mode,
-                run_specs,
-                rec,
-                sample,
-                loss_fn,
-                param_dtype,
-                markers,
-                reduce_dtype=reduce_dtype,
-            )
-    except PlanError as exc:
-        from torch._subclasses.fake_tensor import (
-            DataDependentOutputException,
-            DynamicOutputShapeException,
+    pruned: _Pruned,
+) -> Fitted | None:
+    """One configuration's peak (the trace replayed into its own bytes: the last microbatch's,
+    see ``_layouts``) and step time; None when pruned (``_Pruned``)."""
+    reshard = cfg.reshard_after_forward
+    key: tuple[Any, ...] = (cfg.wrap, layout.dims, type(reshard), reshard)
+    key += (cfg.root_reshard_after_forward, trace.precision, cfg.offload)
+    if key not in problem.plans_cache:
+        problem.plans_cache[key] = group_plans(
+            specs,
+            reshard,
+            cfg.root_reshard_after_forward,
+            layout.shard,
+            trace.mp,
+            problem.states,
+            layout.replicate,
+            problem.target.backend,
+            cfg.offload,
         )
-
-        if isinstance(exc.__cause__, (DynamicOutputShapeException, DataDependentOutputException)):
-            raise PlanError(
-                f"fit: the model's forward has an operator whose output shape depends on the "
-                f"data ({exc.__cause__}; e.g. mixture-of-experts routing with nonzero), which a "
-                "fake-tensor step cannot run; the sample input is not at fault. A transformers "
-                "MoE model can route without it: build it with "
-                "experts_implementation='batched_mm' in its config"
-            ) from exc.__cause__
-        if stack is not None:  # e.g. a forward indexing blocks the cut stack lacks
-            raise FoldMismatch(str(exc)) from exc
-        raise
-    if stack is None:
-        return rec.events
-    return unfold(rec.events, stack, _grad_bytes(specs, stack, param_dtype, reduce_dtype))
-
-
-def _grad_bytes(
-    specs: list[GroupSpec],
-    stack: Fold,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-) -> Callable[[str], tuple[int, int]]:
-    """For ``_fold.unfold``: a group's gradient bytes in one block of the stack (the blocks
-    are alike: the first), and in everything the cut model kept."""
-    by_key = {s.key: s for s in specs}
-    head = f"{stack.fqn}."
-
-    def block_of(fqn: str) -> int | None:
-        return int(fqn[len(head) :].split(".", 1)[0]) if fqn.startswith(head) else None
-
-    def nbytes(p: Any) -> int:
-        dtype = param_dtype if param_dtype is not None and p.dtype.is_floating_point else p.dtype
-        made_in = grad_made_in(p.dtype, dtype, reduce_dtype)  # as the fake step (_activations)
-        return int(math.prod(p.shape)) * int(made_in.itemsize)
-
-    def grad_bytes(key: str) -> tuple[int, int]:
-        spec = by_key.get(key)
-        if spec is None or key.startswith(head):  # a block's own group: copied with it
-            return 0, 0
-        grads = [p for p in spec.params if p.requires_grad]
-        per_block = sum(nbytes(p) for p in grads if block_of(p.fqn) == 0)
-        kept = sum(nbytes(p) for p in grads if (b := block_of(p.fqn)) is None or b < stack.keep)
-        return per_block, kept
-
-    return grad_bytes
+    plans, traffic = problem.plans_cache[key]
+    held = 0
+    if not cfg.offload:
+        held = sum(g.sharded_param_bytes + g.optimizer_state_bytes for g in plans)
+    floor = pruned.smallest_peak
+    if held > problem.budget_bytes and floor is not None and held >= floor:
+        pruned.count += 1
+        return None
+    accumulation = cfg.grad_accumulation
+    replay = Replay(
+        traffic,
+        keep_timeline=False,
+        stream_ordered=problem.target.accelerator,
+        set_to_none=accumulation == 1,
+    )
+    play(replay, trace.events)
+    peak = held + replay.result.peak_dynamic_bytes
+    pruned.smallest_peak = peak if floor is None else min(floor, peak)
+    terms = _step_terms(trace, plans, replay.result.all_gathers, layout, cfg)
+    step = sum(terms[k] for k in STEP_TERMS)
+    dominant = max(STEP_TERMS, key=lambda k: terms[k])
+    return Fitted(cfg, peak, step, terms, dominant)
 
 
-def _flops(events: Sequence[tuple[Any, ...]]) -> Iterator[int]:
-    for ev in events:
-        if ev[0] == "flops":
-            yield ev[1]
-        elif ev[0] == "post_backward":
-            yield from _flops(ev[2])
+def _step_terms(
+    trace: _Trace, plans: Any, all_gathers: dict[str, int], layout: Layout, cfg: FitConfig
+) -> dict[str, float]:
+    """One optimizer step's terms: ``a`` microbatches (the HSDP all-reduce on the last only)
+    and one optimizer step."""
+    args = (plans, all_gathers, trace.flops, trace.flops_per_s, layout.links, cfg.offload)
+    last = time_terms(*args)
+    a = cfg.grad_accumulation
+    if a == 1:
+        return last
+    other = time_terms(*args, all_reduce=False)
+    terms = {k: last[k] + (a - 1) * other[k] for k in last}
+    terms["optimizer"] = last["optimizer"]
+    return terms
 
 
-class _FlopCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """FLOPs of every operator with a formula in torch's ``flop_registry`` (matmuls,
-    convolutions, attention; a checkpoint's recompute included, as it runs operators again).
-    Not ``FlopCounterMode`` itself: its module tracker keeps autograd hooks on every module's
-    outputs, which holds tensors alive and would change the fake step's measured peak."""
-
-    def __init__(self, rec: _RecordingReplay) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.rec = rec
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func.overloadpacket)
-        if formula is not None:  # recorded as an event, so a folded stack's copies count
-            self.rec.events.append(("flops", int(formula(*args, **kwargs, out_val=out))))
-        return out
+# --- step 4: the answer ------------------------------------------------------------------------
 
 
-_DTYPES: Final[dict[str | None, torch.dtype | None]] = {
-    None: None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
+def _answer(
+    problem: _Problem,
+    space: _Space,
+    rows: list[Fitted],
+    traces: list[_Trace],
+    pruned: _Pruned,
+    started: float,
+) -> FitResult:
+    """What fits, fastest first (ties: the smaller peak), or the smallest peak and advice."""
+    budget = problem.budget_bytes
+    kept = _fold_twins(
+        sorted(
+            (f for f in rows if f.peak_bytes <= budget),
+            key=lambda f: (f.step_seconds, f.peak_bytes),
+        )
+    )
+    smallest = min(rows, key=lambda f: f.peak_bytes) if rows else None
+    advice: list[str] = []
+    if not kept and smallest is not None:
+        advice = _advice(smallest, budget, problem, space)
+    return FitResult(
+        budget_bytes=budget,
+        kept=tuple(kept),
+        searched=len(rows) + pruned.count,
+        search_seconds=round(time.perf_counter() - started, 3),
+        search_space=space.describe(problem),
+        smallest=smallest,
+        advice=tuple(advice),
+        fake_steps=sum(t.ran for t in traces),
+        folded=tuple(t.folded for t in traces if t.folded is not None),
+        mesh=problem.dims,
+        device=problem.device.source,
+        step=problem.step.description,
+        target=str(problem.target),
+        global_batch=problem.global_batch,
+        ruled_out=pruned.count,
+    )
+
+
+def _fold_twins(ranked: list[Fitted]) -> list[Fitted]:
+    """Rows with the same peak and step time whose configurations differ in one setting only
+    are one row (the first in the search's order), the others listed as its alternatives;
+    twins of an alternative join its row too (several settings may each change nothing)."""
+    rows: list[Fitted] = []
+    by_cost: dict[tuple[int, float], list[int]] = {}
+    for f in ranked:
+        cost = (f.peak_bytes, f.step_seconds)
+        twin = next((i for i in by_cost.get(cost, []) if _one_apart(rows[i], f.config)), None)
+        if twin is None:
+            by_cost.setdefault(cost, []).append(len(rows))
+            rows.append(f)
+        else:
+            first = rows[twin]
+            rows[twin] = replace(first, alternatives=(*first.alternatives, f.config))
+    return rows
+
+
+def _one_apart(row: Fitted, cfg: FitConfig) -> bool:
+    """``cfg`` differs from the row's configuration, or from one of its alternatives, in one
+    setting only."""
+    return any(
+        sum(a != b for a, b in zip(astuple(c), astuple(cfg), strict=True)) == 1
+        for c in (row.config, *row.alternatives)
+    )
+
+
+def _advice(smallest: Fitted, budget: int, problem: _Problem, space: _Space) -> list[str]:
+    """What would make it fit; each item applies on the target (no offload on a CPU one)."""
+    shard_size = problem.shard_size
+    over = smallest.peak_bytes - budget
+    out = [
+        f"nothing fits {format_bytes(budget)}: the smallest peak found is "
+        f"{format_bytes(smallest.peak_bytes)} ({format_bytes(over)} over) with "
+        f"{smallest.config.describe()}"
+    ]
+    out.append(
+        f"more ranks: {2 * shard_size} ranks halve the sharded parameters, gradients and "
+        "optimizer state (activations per rank stay)"
+    )
+    if problem.global_batch is None:
+        out.append(
+            "a smaller sample input (fewer sequences or tokens per rank) shrinks activations; "
+            "with --global-batch fit also searches accumulation steps and HSDP layouts"
+        )
+    else:
+        out.append("more accumulation steps (--accumulation) shrink the local batch's activations")
+    if True not in space.offloads and problem.target.accelerator:
+        out.append("allow CPU offload (params, grads and optimizer state in host memory)")
+    if not space.lower_allowed:
+        out.append("allow lower precision (--allow-lower-precision: bf16 parameters)")
+    return out
 
 
 def fit(
@@ -602,8 +755,10 @@ def fit(
     allow_lower_precision: bool = False,
     lower_dtype: str = "bf16",
     optimizer: str = "adamw",
-    backend: str = "nccl",
-    loss_fn: Any = None,
+    backend: str | None = None,
+    target: str | Target | None = None,
+    loss_fn: LossFn | None = None,
+    step: StepFn | str | None = None,
     device: str | Device = "h100",
     device_flops: float | None = None,
     shard_link_bytes_per_s: float | None = None,
@@ -612,15 +767,28 @@ def fit(
     checkpoint_choices: Sequence[int] = (0, 1, 2),
     offload_choices: Sequence[bool] = (False, True),
     fold: bool = True,
+    global_batch: int | None = None,
+    devices_per_node: int | None = None,
+    accumulation_choices: Sequence[int] = ACCUMULATION_CHOICES,
 ) -> FitResult:
     """Search configurations of ``fully_shard`` for the ones whose predicted per-rank peak fits
-    ``budget``, fastest (by the step-time estimate in this module's design note) first.
+    ``budget``, fastest (by the step-time estimate of ``_time_model``) first.
 
     Args:
         model_factory: zero-argument callable building the model (built under fake tensors).
         mesh: shard size (``1024``) or ``(replicate, shard)`` / ``"8x128"`` for HSDP.
         sample_input: one step's input per rank, ``(shape, dtype)``, a tensor or a factory.
+        target: the device type and backend planned for (``Target``): ``"cuda/nccl"`` (the
+            default), ``"cpu/gloo"``, ``"cuda/gloo"``; ``backend="gloo"`` alone is
+            ``"cpu/gloo"``. Named in the answer's first line and in every kept
+            ``FitConfig``, which ``apply`` applies on that target only. CPU offload is
+            searched only on an accelerator (on the CPU it moves nothing off the device).
         budget: bytes per rank, or a string such as ``"24GiB"`` (see ``parse_budget``).
+        step: the step trained, up to its loss: ``step(model, batch) -> loss``, ``"labels"``
+            (transformers' models: ``model(input_ids=batch, labels=batch).loss``) or ``"sum"``
+            (the first floating output summed). Default: ``"labels"`` where the model's
+            forward takes ``labels``, else ``"sum"``; ``loss_fn(output, batch)`` instead
+            plans ``model(batch)`` then that loss. ``FitResult.step`` says which was planned.
         wrap: class names to try wrapping (each alone); default: the model's repeated classes
             with parameters, plus wrapping nothing but the root. A name not in the model is
             an error listing the candidates.
@@ -630,7 +798,16 @@ def fit(
             ``device_flops`` and the ``*_bytes_per_s`` arguments override single numbers.
         checkpoint_choices: activation checkpointing per wrapped block: 0 none, 1 every block,
             k every k-th block.
-        offload_choices: CPU offload off/on.
+        offload_choices: CPU offload off/on (an accelerator target only).
+        global_batch: samples per optimizer step over all ranks. With it (and ``mesh`` one
+            size ``N``) fit also chooses the layout, FSDP over the ``N`` ranks or HSDP
+            ``R x S`` (shard groups within a node first), and the microbatch: a local batch
+            ``b`` (the sample input's first dimension) and ``a`` accumulation steps
+            (``accumulation_choices`` dividing ``global_batch / N``), see ``_layouts``. Each
+            kept ``FitConfig`` says its ``mesh``, ``local_batch`` and ``grad_accumulation``;
+            ``apply`` builds the mesh, ``FitConfig.how_to_run()`` gives the loop.
+        devices_per_node: the node size the layouts and links assume (default: the
+            device's, 8 for ``h100``/``a100``).
         fold: run each fake step over a few blocks of the model's largest stack of alike
             blocks and repeat their recorded events for the rest (``_fold``: exact, checked,
             and undone when the kept blocks do not repeat); False runs every block.
@@ -645,385 +822,34 @@ def fit(
         print(r.best.config, r.best.peak_bytes, r.best.step_seconds)
         apply(model, r.best)  # fully_shard, mixed precision, offload, checkpointing
     """
+    # Past 80 lines for its docstring (every argument's trade-off); the body is its four steps.
     started = time.perf_counter()
-    budget_bytes = parse_budget(budget)
-    dims = parse_mesh(mesh)
-    shard_size, replicate_size = dims[-1], (dims[0] if len(dims) == 2 else 1)
-    if backend not in BACKENDS:
-        raise PlanError(f"fit: backend must be one of {BACKENDS}, got {backend!r}")
-    states = OPTIMIZER_STATES[optimizer.lower().replace("-", "_")]
-    dev = DEVICES[device] if isinstance(device, str) else device
-    shard_bw = shard_link_bytes_per_s or (
-        dev.intra_node_bytes_per_s
-        if shard_size <= dev.gpus_per_node
-        else dev.inter_node_bytes_per_s
-    )
-    repl_bw = replicate_link_bytes_per_s or dev.inter_node_bytes_per_s
-    host_bw = host_link_bytes_per_s or dev.host_bytes_per_s
-    links = _Links(
-        dev,
-        shard_size,
-        replicate_size,
-        shard_bw,
-        repl_bw,
-        shard_link_bytes_per_s or dev.intra_node_bytes_per_s,
-        host_bw,
-    )
-    if not callable(model_factory) or isinstance(model_factory, nn.Module):
-        raise PlanError("fit: pass the model as a zero-argument factory (built on meta/fake)")
-    try:
-        with torch.device("meta"):
-            meta_model = model_factory()
-    except Exception as exc:
-        raise PlanError(
-            f"fit: the model factory cannot build on the meta device "
-            f"({type(exc).__name__}: {exc}); build parameters from shapes only"
-        ) from exc
-    if not isinstance(meta_model, nn.Module):
-        raise PlanError(f"fit: the factory returned {type(meta_model).__name__}")
-    candidates = _repeated_classes(meta_model)
-    present = {type(m).__name__ for m in meta_model.modules()}
-    if wrap is None:
-        wraps: list[str | None] = [*candidates[:3], None]
-    else:
-        names = [w.strip() for w in (wrap.split(",") if isinstance(wrap, str) else wrap)]
-        missing = [n for n in names if n not in present]
-        if missing:
-            raise PlanError(
-                f"fit: wrap class(es) {missing} are not in the model; candidates (repeated "
-                f"blocks): {candidates or sorted(present)}"
-            )
-        wraps = list(names)
-    reshards: list[bool | int] = [True, False]
-    for n in (8, 4, 2):  # reshard to a node-sized group, where it divides the shard size
-        if 1 < n < shard_size and shard_size % n == 0:
-            reshards.append(n)
-            break
-    precisions: list[tuple[str | None, str | None]] = [(None, None)]
-    if allow_lower_precision:
-        precisions += [(lower_dtype, "fp32"), (lower_dtype, None)]
-    search_space: dict[str, object] = {
-        "wrap": [w or "(root only)" for w in wraps],
-        "reshard_after_forward": reshards,
-        "root_reshard_after_forward": [False, True],
-        "mixed_precision (param, reduce)": [
-            [p or "model dtype", _reduce_label(p, r, "model dtype")] for p, r in precisions
-        ],
-        "activation_checkpointing": [_every(k) for k in checkpoint_choices],
-        "cpu_offload": list(offload_choices),
-        "not searched (fixed)": {
-            "forward_prefetch": 0,
-            "backward_prefetch": 1,
-            "reduce_scatter_max_input_buffers": 1,
-            "why": "the planner models them, but their memory effect is small and a time "
-            "model of deeper prefetch is not built yet",
-        },
-        "time model": {
-            "device": dev.source,
-            "compute_flops_per_s": {
-                "low precision": device_flops or dev.bf16_flops,
-                "fp32": device_flops or dev.fp32_flops,
-            },
-            "shard_link_bytes_per_s": shard_bw,
-            "replicate_link_bytes_per_s": repl_bw,
-            "host_link_bytes_per_s": host_bw,
-            "device_memory_bytes_per_s": dev.hbm_bytes_per_s,
-            "host_memory_bytes_per_s": dev.host_memory_bytes_per_s,
-            "collective_latency_s": {
-                "base": dev.collective_latency_s,
-                "per_ring_step_nvlink": dev.nvlink_step_latency_s,
-                "per_ring_step_network": dev.network_step_latency_s,
-            },
-            "step": " + ".join(STEP_TERMS),
-        },
+    links = {
+        "shard": shard_link_bytes_per_s,
+        "replicate": replicate_link_bytes_per_s,
+        "host": host_link_bytes_per_s,
     }
-    results: list[Fitted] = []
-    searched = 0
-    fake_steps = 0
-    folded: list[str] = []
-    for w in wraps:
-        pred = module_wrap_predicate(w)
-
-        def specs_of(model: nn.Module, pred: Any = pred) -> list[GroupSpec]:
-            return discover_groups(model, pred, shard_size=shard_size)
-
-        specs = specs_of(meta_model)
-        n_blocks = sum(1 for s in specs if s.key != ROOT_KEY)
-        acs = [k for k in checkpoint_choices if k == 0 or (w is not None and k <= max(n_blocks, 1))]
-        for (pd, rd), every in itertools.product(precisions, acs):
-            mp = MixedPrecisionPolicy(param_dtype=_DTYPES[pd], reduce_dtype=_DTYPES[rd])
-            base_traffic = group_plans(
-                specs, True, False, shard_size, mp, states, replicate_size, backend, False
-            )[1]
-            events, flops, folded_stack = _flops_and_trace(
-                model_factory,
-                specs_of,
-                base_traffic,
-                sample_input,
-                loss_fn,
-                mp.param_dtype,
-                w,
-                every,
-                fold,
-                mp.reduce_dtype,
-            )
-            fake_steps += 1
-            if folded_stack is not None:
-                folded.append(
-                    f"{folded_stack.fqn}: {folded_stack.blocks} blocks run as {folded_stack.keep}"
-                )
-            low = mp.param_dtype in (torch.bfloat16, torch.float16) or (
-                mp.param_dtype is None
-                and any(p.dtype in (torch.bfloat16, torch.float16) for s in specs for p in s.params)
-            )
-            flops_per_s = device_flops or (dev.bf16_flops if low else dev.fp32_flops)
-            # With no wrapped blocks the blocks' reshard is moot: one value.
-            block_reshards = reshards if w is not None else [True]
-            for reshard, root_reshard, offload in itertools.product(
-                block_reshards, (False, True), offload_choices
-            ):
-                plans, traffic = group_plans(
-                    specs,
-                    reshard,
-                    root_reshard,
-                    shard_size,
-                    mp,
-                    states,
-                    replicate_size,
-                    backend,
-                    offload,
-                )
-                replay = Replay(traffic, keep_timeline=False, stream_ordered=backend == "nccl")
-                _play(replay, events)
-                sharded = sum(g.sharded_param_bytes for g in plans)
-                opt = sum(g.optimizer_state_bytes for g in plans)
-                held = 0 if offload else sharded + opt
-                peak = held + replay.result.peak_dynamic_bytes
-                cfg = FitConfig(
-                    wrap=w,
-                    reshard_after_forward=reshard,
-                    root_reshard_after_forward=root_reshard,
-                    param_dtype=pd,
-                    reduce_dtype=rd,
-                    checkpoint_every=every,
-                    offload=offload,
-                )
-                searched += 1
-                terms = _time_terms(
-                    plans, replay.result.all_gathers, flops, flops_per_s, links, offload
-                )
-                step = sum(terms[k] for k in STEP_TERMS)
-                dominant = max(STEP_TERMS, key=lambda k: terms[k])
-                results.append(Fitted(cfg, peak, step, terms, dominant))
-            del events
-    kept = sorted(
-        (f for f in results if f.peak_bytes <= budget_bytes),
-        key=lambda f: (f.step_seconds, f.peak_bytes),
+    problem = _problem(
+        model_factory,
+        sample_input,
+        (step, loss_fn),
+        budget,
+        mesh,
+        optimizer,
+        parse_target(target, backend),
+        (device, device_flops, devices_per_node),
+        links,
+        (global_batch, accumulation_choices),
+        fold,
     )
-    smallest = min(results, key=lambda f: f.peak_bytes) if results else None
-    advice: list[str] = []
-    if not kept and smallest is not None:
-        advice = _advice(smallest, budget_bytes, shard_size, offload_choices, allow_lower_precision)
-    return FitResult(
-        budget_bytes=budget_bytes,
-        kept=tuple(kept),
-        searched=searched,
-        search_seconds=round(time.perf_counter() - started, 3),
-        search_space=search_space,
-        smallest=smallest,
-        advice=tuple(advice),
-        fake_steps=fake_steps,
-        folded=tuple(folded),
-        mesh=dims,
-        device=dev.source,
+    space = _search_space(
+        problem, wrap, allow_lower_precision, lower_dtype, checkpoint_choices, offload_choices
     )
-
-
-@dataclass(frozen=True)
-class _Links:
-    """The time model's numbers for one mesh (see ``Device``)."""
-
-    device: Device
-    shard_size: int
-    replicate_size: int
-    shard_bw: float
-    repl_bw: float
-    intra_bw: float
-    host_bw: float
-
-    @property
-    def shard_nodes(self) -> int:  # a shard group's ranks are consecutive, a node at a time
-        return -(-self.shard_size // self.device.gpus_per_node)
-
-    @property
-    def repl_nodes(self) -> int:  # replicas on one node: as many as fit beside the shards
-        per_node = max(1, self.device.gpus_per_node // self.shard_size)
-        return -(-self.replicate_size // per_node)
-
-    def all_gather(self, nbytes: int) -> float:
-        """One all-gather (or reduce-scatter) of ``nbytes`` (output, or input) over the shard
-        dimension: a ring's ``(n-1)/n`` of the bytes over its link, plus its latency."""
-        n = self.shard_size
-        if n <= 1:
-            return 0.0
-        return nbytes * (n - 1) / n / self.shard_bw + self.device.ring_latency(n, self.shard_nodes)
-
-    def all_reduce(self, nbytes: int) -> float:
-        n = self.replicate_size
-        if n <= 1:
-            return 0.0
-        lat = self.device.ring_latency(n, self.repl_nodes, all_reduce=True)
-        return nbytes * 2 * (n - 1) / n / self.repl_bw + lat
-
-    def node_all_gather(self, nbytes: int, ranks: int) -> float:
-        """An int ``reshard_after_forward``'s backward all-gather within groups of ``ranks``."""
-        lat = self.device.ring_latency(ranks, 1)
-        return nbytes * (ranks - 1) / ranks / self.intra_bw + lat
-
-
-def _time_terms(
-    plans: Sequence[Any],
-    all_gathers: dict[str, int],
-    flops: float,
-    flops_per_s: float,
-    links: _Links,
-    offload: bool,
-) -> dict[str, float]:
-    comm = first = last = host = 0.0
-    trainable = [g for g in plans if g.trainable_numel > 0]
-    for g in plans:
-        n_ag = all_gathers.get(g.key, 0)
-        ag = n_ag * links.all_gather(g.gathered_bytes)
-        mode = g.reshard_after_forward
-        if n_ag >= 2 and not isinstance(mode, bool) and mode > 1:
-            # The backward all-gather of an int reshard_after_forward N gathers the post-forward
-            # shards within groups of N ranks (a node when N is the node size): its own link.
-            ag += links.node_all_gather(g.gathered_bytes, mode) - links.all_gather(g.gathered_bytes)
-        rs = links.all_gather(g.reduce_scatter_bytes) if g.trainable_numel else 0.0
-        ar = links.all_reduce(g.all_reduce_bytes) if g.trainable_numel else 0.0
-        comm += ag + rs + ar
-        if g.key == ROOT_KEY and n_ag:
-            first = links.all_gather(g.gathered_bytes)
-        if offload:
-            host += n_ag * g.sharded_param_bytes / links.host_bw + g.grad_bytes / links.host_bw
-    if trainable:
-        g = trainable[0]  # the root reduces last (in the final callback)
-        last = links.all_gather(g.reduce_scatter_bytes) + links.all_reduce(g.all_reduce_bytes)
-    compute = flops / flops_per_s
-    exposed = first + last + max(0.0, comm - first - last - compute)
-    # The optimizer step streams the sharded parameters (read and written; the sharded
-    # gradients share their dtype), the gradients (read) and its states (read and written)
-    # through memory: the device's, or with offload the host's (it runs on the CPU).
-    streamed = sum(3 * g.grad_bytes + 2 * g.optimizer_state_bytes for g in plans)
-    dev = links.device
-    optimizer = streamed / (dev.host_memory_bytes_per_s if offload else dev.hbm_bytes_per_s)
-    return {
-        "compute": compute,
-        "comm": comm,
-        "exposed_comm": exposed,
-        "offload": host,
-        "optimizer": optimizer,
-        "flops": flops,
-    }
-
-
-def _advice(
-    smallest: Fitted,
-    budget: int,
-    shard_size: int,
-    offload_choices: Sequence[bool],
-    lower: bool,
-) -> list[str]:
-    over = smallest.peak_bytes - budget
-    out = [
-        f"nothing fits {format_bytes(budget)}: the smallest peak found is "
-        f"{format_bytes(smallest.peak_bytes)} ({format_bytes(over)} over) with "
-        f"{smallest.config.describe()}"
-    ]
-    out.append(
-        f"more ranks: {2 * shard_size} ranks halve the sharded parameters, gradients and "
-        "optimizer state (activations per rank stay)"
-    )
-    out.append("a smaller sample input (fewer sequences or tokens per rank) shrinks activations")
-    if True not in offload_choices:
-        out.append("allow CPU offload (params, grads and optimizer state in host memory)")
-    if not lower:
-        out.append("allow lower precision (--allow-lower-precision: bf16 parameters)")
-    return out
-
-
-def _folded_note(folded: Sequence[str]) -> str:
-    if not folded:
-        return ""
-    return f", {len(folded)} folded ({', '.join(sorted(set(folded)))})"
-
-
-def format_fit(result: FitResult, top: int = 5) -> str:
-    lines = [
-        f"make it fit: budget {format_bytes(result.budget_bytes)} per rank, mesh "
-        f"{'x'.join(map(str, result.mesh))}; searched {result.searched} configurations "
-        f"({result.fake_steps} fake steps{_folded_note(result.folded)}) in "
-        f"{result.search_seconds:.2f} s",
-        "search space:",
-    ]
-    for k, v in result.search_space.items():
-        lines.append(f"  {k}: {v}")
-    if not result.kept:
-        lines += ["", *result.advice]
-        return "\n".join(lines)
-    lines += ["", f"{len(result.kept)} fit; fastest first (step time is an estimate):"]
-    for i, f in enumerate(result.kept[:top]):
-        t = f.terms
-        lines.append(
-            f"  {i + 1}. peak {format_bytes(f.peak_bytes)} (margin "
-            f"{format_bytes(result.budget_bytes - f.peak_bytes)}), step ~{f.step_seconds:.3g} s "
-            f"[compute {t['compute']:.3g}, exposed comm {t['exposed_comm']:.3g} "
-            f"of {t['comm']:.3g}, offload {t['offload']:.3g}, optimizer {t['optimizer']:.3g} s; "
-            f"{f.dominant} dominates]"
-        )
-        lines.append(f"     {f.config.describe()}")
-    best = result.kept[0]
-    lines += ["", "the winner as code:", snippet(best.config)]
-    return "\n".join(lines)
-
-
-def snippet(cfg: FitConfig) -> str:
-    return "\n".join(
-        [
-            "from shardweave.fsdp.plan import FitConfig, apply",
-            f"apply(model, {cfg!r})",
-            "# which is:",
-            *("# " + line for line in _explain(cfg)),
-        ]
-    )
-
-
-def _explain(cfg: FitConfig) -> list[str]:
-    out = []
-    mp = (
-        f"MixedPrecisionPolicy(param_dtype=torch.{_long(cfg.param_dtype)}, "
-        f"reduce_dtype={'torch.' + _long(cfg.reduce_dtype) if cfg.reduce_dtype else None})"
-        if cfg.param_dtype
-        else "MixedPrecisionPolicy()"
-    )
-    off = "CPUOffloadPolicy()" if cfg.offload else "OffloadPolicy()"
-    if cfg.wrap:
-        if cfg.checkpoint_every:
-            out.append(
-                f"checkpoint the forward of {_every(cfg.checkpoint_every)} of class {cfg.wrap} "
-                "(torch.utils.checkpoint, use_reentrant=False)"
-            )
-        out.append(f"for m in model.modules(): if type(m).__name__ == {cfg.wrap!r}:")
-        out.append(
-            f"    fully_shard(m, reshard_after_forward={cfg.reshard_after_forward!r}, "
-            f"mp_policy={mp}, offload_policy={off})"
-        )
-    out.append(
-        f"fully_shard(model, reshard_after_forward={cfg.root_reshard_after_forward!r}, "
-        f"mp_policy={mp}, offload_policy={off})"
-    )
-    return out
-
-
-def _long(name: str | None) -> str:
-    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(name or "", str(name))
+    rows: list[Fitted] = []
+    traces: list[_Trace] = []
+    pruned = _Pruned()
+    for trace in _fake_steps(problem, space):
+        rows += _replays(problem, space, trace, pruned)
+        trace.events = []  # replayed: dropped here (a trace sharing them holds its own)
+        traces.append(trace)
+    return _answer(problem, space, rows, traces, pruned, started)

@@ -125,6 +125,8 @@ def discover_groups(
     shard_size: int = 1,
 ) -> list[GroupSpec]:
     """The groups in forward order (the root first, then wrapped modules in pre-order)."""
+    # Past 80 lines: its rules are closures over one visit order and one claimed set (the
+    # engine's discovery, mirrored as one piece).
     ignored = ignored_params or set()
     names: dict[nn.Module, str] = {}
     for name, module in model.named_modules():

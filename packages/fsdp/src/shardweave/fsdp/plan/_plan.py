@@ -8,7 +8,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -18,10 +18,14 @@ from shardweave.fsdp._fsdp_common import CollectiveKind
 from shardweave.fsdp.plan._activations import (
     LossFn,
     SampleInput,
+    Step,
+    StepFn,
     describe_sample,
     fake_mode,
+    resolve_step,
     run_fake_step,
 )
+from shardweave.fsdp.plan._fit_config import BACKENDS, Target, parse_target
 from shardweave.fsdp.plan._model import (
     ROOT_KEY,
     GroupSpec,
@@ -68,11 +72,6 @@ _SHORT: Final[dict[torch.dtype, str]] = {
 }
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
-
-# Collective backends whose collectives stage data in tensors of their own while they run:
-# gloo copies an all-gather's output and a reduce-scatter's input, and reduces bf16/fp16 in
-# fp32 (measured on torch 2.13's ProcessGroupGloo). NCCL works in the given buffers.
-BACKENDS: Final = ("nccl", "gloo")
 
 
 def parse_mesh(mesh: int | Sequence[int] | str) -> tuple[int, ...]:
@@ -194,7 +193,9 @@ def plan(
     set_to_none: bool = True,
     sample_input: SampleInput | None = None,
     loss_fn: LossFn | None = None,
-    backend: str = "nccl",
+    step: StepFn | str | None = None,
+    backend: str | None = None,
+    target: str | Target | None = None,
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     offload: bool = False,
     reduce_scatter_max_input_buffers: int = 1,
@@ -238,12 +239,19 @@ def plan(
             under fake tensors), or ``(shape, dtype)``. With it the model (a factory) runs one
             forward and backward under fake tensors and ``Plan.activations`` gives the step's
             peak with activations and when it is reached (see ``_activations``).
-        loss_fn: ``loss_fn(output, input)`` for that step; the default sums the output.
-        backend: ``"nccl"`` or ``"gloo"`` (which stages collectives in copies of its own,
-            counted as communication buffers while the collective is in flight). ``"nccl"``
-            replays the engine's accelerator schedule (each gradient reduction runs to its end
-            when started, ordered by events), ``"gloo"`` its CPU one (waits at later
-            post-backwards).
+        loss_fn: ``loss_fn(output, input)`` for that step, after ``model(input)``.
+        step: the step trained, up to its loss: ``step(model, batch) -> loss``, or
+            ``"labels"`` (transformers: ``model(input_ids=batch, labels=batch).loss``) or
+            ``"sum"`` (the first floating output summed). Default (with no ``loss_fn``):
+            ``"labels"`` where the model's forward takes ``labels``, else ``"sum"``.
+            ``activations.step`` says which was planned.
+        backend: without ``target``, ``"nccl"`` (GPUs) or ``"gloo"`` (CPU processes).
+        target: the device type and backend planned for (``Target``): ``"cuda/nccl"`` (the
+            default), ``"cpu/gloo"``, ``"cuda/gloo"``; the report's first line names it. An
+            accelerator replays the engine's accelerator schedule (each gradient reduction
+            runs to its end when started, ordered by events), the CPU its CPU one (waits at
+            later post-backwards); gloo stages collectives in copies of its own, counted as
+            communication buffers while the collective is in flight.
         shard_placement_fn: as ``fully_shard``'s: ``Shard(dim)`` or ``None`` (dim 0) per
             parameter; a dim other than 0 must be divisible by the shard size, and costs a
             scratch copy at each copy-out and a re-laid-out gradient at each reduce-scatter.
@@ -265,6 +273,8 @@ def plan(
         p = plan(lambda: MyModel(cfg), mesh="8x128", wrap="Block", mp_policy="bf16")
         print(p.peak_tensor_bytes / 2**30, "GiB per rank")
     """
+    # Past 80 lines: its docstring (every argument's trade-off) and the Plan it fills field by
+    # field; the work is in group_plans, simulate_step and the helpers below.
     started = time.perf_counter()
     dims = parse_mesh(mesh)
     replicate_size, shard_size = (1, dims[0]) if len(dims) == 1 else dims
@@ -277,27 +287,14 @@ def plan(
     if forward_prefetch < 0 or backward_prefetch < 1:
         raise PlanError("plan: forward_prefetch must be >= 0 and backward_prefetch >= 1")
     states = OPTIMIZER_STATES[optimizer.lower().replace("-", "_")]
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise PlanError(f"plan: backend must be one of {BACKENDS}, got {backend!r}")
+    planned_for = parse_target(target, backend)
+    backend = planned_for.backend
     mp = parse_mp(mp_policy, reduce_dtype)
     block_reshard = parse_reshard(reshard_after_forward)
     root_reshard = parse_reshard(root_reshard_after_forward)
-    fake_tensors = None
-    if sample_input is not None:
-        if isinstance(model_or_factory, nn.Module) or not callable(model_or_factory):
-            raise PlanError(
-                "plan: sample_input needs the model as a zero-argument factory (it is built "
-                "again under fake tensors), not a built module"
-            )
-        if tp > 1:
-            raise PlanError("plan: sample_input with tp > 1 is not modeled; plan without it")
-        fake_tensors = fake_mode()
-        with fake_tensors:
-            model = model_or_factory()
-        if not isinstance(model, nn.Module):
-            raise PlanError(f"plan: the factory returned {type(model).__name__}, not an nn.Module")
-    else:
-        model = _build_model(model_or_factory)
+    model, fake_tensors = _model_for(model_or_factory, sample_input, tp)
     specs = discover_groups(
         model,
         module_wrap_predicate(wrap),
@@ -326,25 +323,9 @@ def plan(
         backward_prefetch=backward_prefetch,
         set_to_none=set_to_none,
         reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
-        stream_ordered=backend == "nccl",
+        stream_ordered=planned_for.accelerator,
     )
-    final: list[GroupPlan] = []
-    for gp in groups:
-        ag_count = sched.all_gathers.get(gp.key, 0) if shard_size > 1 else 0
-        trains = gp.trainable_numel > 0
-        rs_count = 1 if trains and shard_size > 1 else 0
-        ar_count = 1 if trains and replicate_size > 1 else 0
-        final.append(
-            dataclasses.replace(
-                gp,
-                all_gathers_per_step=ag_count,
-                all_gather_bytes=ag_count * gp.gathered_bytes,
-                reduce_scatters_per_step=rs_count,
-                reduce_scatter_bytes=rs_count * gp.reduce_scatter_bytes,
-                all_reduces_per_step=ar_count,
-                all_reduce_bytes=ar_count * gp.all_reduce_bytes,
-            )
-        )
+    final = _with_counts(groups, sched.all_gathers, shard_size, replicate_size)
     sharded = sum(g.sharded_param_bytes for g in final)
     grads = sum(g.grad_bytes for g in final)
     opt0 = sum(g.optimizer_state_bytes for g in final)
@@ -373,58 +354,27 @@ def plan(
             set_to_none=set_to_none,
             keep_timeline=False,
             reduce_scatter_max_input_buffers=reduce_scatter_max_input_buffers,
-            stream_ordered=backend == "nccl",
+            stream_ordered=planned_for.accelerator,
         )
-        fake = run_fake_step(
+        held = {"sharded_params": sharded, "optimizer_state": opt0, "last": held_last}
+        activations = _activation_plan(
             model,
-            fake_tensors,
-            specs,
-            replay,
+            (fake_tensors, specs, replay),
             sample_input,
-            loss_fn,
-            mp.param_dtype,
-            param_dtypes=param_dtypes,
-            reduce_dtype=mp.reduce_dtype,
-        )
-        fs = fake.schedule
-        phase, group, event = fs.peak_moment
-        activations = ActivationPlan(
-            sample_input=describe_sample(sample_input),
-            peak_bytes=held0 + fs.peak_dynamic_bytes,
-            last_shard_rank_peak_bytes=held_last + fs.peak_dynamic_bytes,
-            peak_phase=phase,
-            peak_group=group,
-            peak_event=event,
-            peak_activation_bytes=fake.peak_activation_bytes,
-            lines_at_peak={
-                "sharded_params": 0 if offload else sharded,
-                "optimizer_state": 0 if offload else opt0,
-                **fs.at_peak,
-            },
-            peaks=dict(fs.peaks),
-            seconds=round(fake.seconds, 4),
+            resolve_step(step, loss_fn, model),
+            (mp, param_dtypes),
+            held if not offload else dict.fromkeys(held, 0),
         )
     ranks = _rank_rows(final, peak - opt0, offload)
     largest = max(final, key=lambda g: g.gathered_bytes).key if final else ""
-    inputs: dict[str, object] = {
-        "mesh": list(dims),
-        "tp": tp,
-        "wrap": wrap
-        if isinstance(wrap, str) or wrap is None
-        else getattr(wrap, "__name__", repr(wrap)),
-        "mp_policy": {
-            "param_dtype": _name(mp.param_dtype),
-            "reduce_dtype": _name(mp.reduce_dtype),
-        },
-        "reshard_after_forward": block_reshard,
-        "root_reshard_after_forward": root_reshard,
-        "optimizer": optimizer,
+    inputs = _inputs(
+        dims, tp, wrap, mp, (block_reshard, root_reshard), optimizer, planned_for, sample_input
+    )
+    inputs |= {
         "forward_prefetch": forward_prefetch,
         "backward_prefetch": backward_prefetch,
         "set_to_none": set_to_none,
-        "backend": backend,
         "offload": offload,
-        "sample_input": None if sample_input is None else describe_sample(sample_input),
     }
     result = Plan(
         inputs=inputs,
@@ -473,6 +423,132 @@ def plan(
     return dataclasses.replace(result, planner_seconds=round(time.perf_counter() - started, 4))
 
 
+def _activation_plan(
+    model: nn.Module,
+    run: tuple[Any, Sequence[GroupSpec], Replay],
+    sample_input: SampleInput,
+    planned_step: Step,
+    dtypes: tuple[MixedPrecisionPolicy, Mapping[str, torch.dtype | None] | None],
+    held: dict[str, int],
+) -> ActivationPlan:
+    """The fake step's peak with activations (``run``: the fake mode, the groups and the
+    replay it drives), on top of the bytes ``held`` all step (the shards and optimizer state,
+    none with offload; ``last``: the last shard rank's)."""
+    mode, specs, replay = run
+    mp, param_dtypes = dtypes
+    fake = run_fake_step(
+        model,
+        mode,
+        specs,
+        replay,
+        sample_input,
+        planned_step.run,
+        mp.param_dtype,
+        param_dtypes=param_dtypes,
+        reduce_dtype=mp.reduce_dtype,
+    )
+    fs = fake.schedule
+    phase, group, event = fs.peak_moment
+    held0 = held["sharded_params"] + held["optimizer_state"]
+    return ActivationPlan(
+        sample_input=describe_sample(sample_input),
+        peak_bytes=held0 + fs.peak_dynamic_bytes,
+        last_shard_rank_peak_bytes=held["last"] + fs.peak_dynamic_bytes,
+        peak_phase=phase,
+        peak_group=group,
+        peak_event=event,
+        peak_activation_bytes=fake.peak_activation_bytes,
+        lines_at_peak={
+            "sharded_params": held["sharded_params"],
+            "optimizer_state": held["optimizer_state"],
+            **fs.at_peak,
+        },
+        peaks=dict(fs.peaks),
+        seconds=round(fake.seconds, 4),
+        step=planned_step.description,
+    )
+
+
+def _with_counts(
+    groups: Sequence[GroupPlan],
+    all_gathers: Mapping[str, int],
+    shard_size: int,
+    replicate_size: int,
+) -> list[GroupPlan]:
+    """Each group's collectives per step (all-gathers as the replay counted them; one
+    reduce-scatter, and under HSDP one all-reduce, per trained group) and their bytes."""
+    final: list[GroupPlan] = []
+    for gp in groups:
+        ag_count = all_gathers.get(gp.key, 0) if shard_size > 1 else 0
+        trains = gp.trainable_numel > 0
+        rs_count = 1 if trains and shard_size > 1 else 0
+        ar_count = 1 if trains and replicate_size > 1 else 0
+        final.append(
+            dataclasses.replace(
+                gp,
+                all_gathers_per_step=ag_count,
+                all_gather_bytes=ag_count * gp.gathered_bytes,
+                reduce_scatters_per_step=rs_count,
+                reduce_scatter_bytes=rs_count * gp.reduce_scatter_bytes,
+                all_reduces_per_step=ar_count,
+                all_reduce_bytes=ar_count * gp.all_reduce_bytes,
+            )
+        )
+    return final
+
+
+def _model_for(
+    model_or_factory: ModelOrFactory, sample_input: SampleInput | None, tp: int
+) -> tuple[nn.Module, Any]:
+    """The model to read: built under fake tensors (and that mode) for a fake step with a
+    sample input, else on the meta device (or the module given)."""
+    if sample_input is None:
+        return _build_model(model_or_factory), None
+    if isinstance(model_or_factory, nn.Module) or not callable(model_or_factory):
+        raise PlanError(
+            "plan: sample_input needs the model as a zero-argument factory (it is built "
+            "again under fake tensors), not a built module"
+        )
+    if tp > 1:
+        raise PlanError("plan: sample_input with tp > 1 is not modeled; plan without it")
+    fake_tensors = fake_mode()
+    with fake_tensors:
+        model = model_or_factory()
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"plan: the factory returned {type(model).__name__}, not an nn.Module")
+    return model, fake_tensors
+
+
+def _inputs(
+    dims: tuple[int, ...],
+    tp: int,
+    wrap: object,
+    mp: MixedPrecisionPolicy,
+    reshards: tuple[bool | int | None, bool | int | None],
+    optimizer: str,
+    planned_for: Target,
+    sample_input: SampleInput | None,
+) -> dict[str, object]:
+    """``Plan.inputs``: what was planned, as the report and the JSON name it."""
+    return {
+        "mesh": list(dims),
+        "tp": tp,
+        "wrap": wrap
+        if isinstance(wrap, str) or wrap is None
+        else getattr(wrap, "__name__", repr(wrap)),
+        "mp_policy": {
+            "param_dtype": _name(mp.param_dtype),
+            "reduce_dtype": _name(mp.reduce_dtype),
+        },
+        "reshard_after_forward": reshards[0],
+        "root_reshard_after_forward": reshards[1],
+        "optimizer": optimizer,
+        "backend": planned_for.backend,
+        "target": str(planned_for),
+        "sample_input": None if sample_input is None else describe_sample(sample_input),
+    }
+
+
 def _name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else _SHORT.get(dtype, str(dtype).removeprefix("torch."))
 
@@ -488,6 +564,8 @@ def _group_plan(
     offload: bool,
     param_dtypes: Mapping[str, torch.dtype | None],
 ) -> tuple[GroupPlan, GroupTraffic]:
+    # Past 80 lines: one pass over the group's parameters sums a dozen per-rank quantities
+    # that the engine's rules then combine; split, they would travel as a dozen arguments.
     params: list[ParamPlan] = []
     numel = trainable = padded = 0
     sharded = grad = opt = opt_last = gathered = ugrad = post = rs = ar = 0

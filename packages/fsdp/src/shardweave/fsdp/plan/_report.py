@@ -135,6 +135,7 @@ def format_table(plan: Plan) -> str:
 
         print(format_table(plan(build_model, mesh="8x128", wrap="TransformerBlock")))
     """
+    # Past 80 lines: the report's lines in their printed order, nothing else.
     mesh = "x".join(str(d) for d in plan.inputs["mesh"])  # type: ignore[attr-defined]
     kind = "HSDP (replicate x shard)" if plan.replicate_size > 1 else "FSDP"
     dtypes = plan.inputs["mp_policy"]
@@ -146,7 +147,7 @@ def format_table(plan: Plan) -> str:
         f"shardweave plan: {_numel(plan.total_numel)} params in {len(plan.groups)} groups, mesh "
         f"{mesh} {kind}, tp {plan.inputs['tp']}, world {plan.world_size}; mp {mp}; "
         f"reshard_after_forward {plan.inputs['reshard_after_forward']}; optimizer "
-        f"{plan.inputs['optimizer']}",
+        f"{plan.inputs['optimizer']}; target {plan.inputs['target']}",
         "",
         "per rank (shard rank 0; the last shard rank differs only in optimizer state)",
         f"  sharded params          {format_bytes(plan.sharded_param_bytes):>12}",
@@ -177,6 +178,7 @@ def format_table(plan: Plan) -> str:
         lines += [
             "",
             f"with activations (sample input {act.sample_input}; one fake-tensor step)",
+            f"  step planned            {act.step}",
             f"  activations, peak       {format_bytes(act.peak_activation_bytes):>12}",
             f"  peak with activations   {format_bytes(act.peak_bytes):>12}  (at {act.peak_phase}"
             f" of '{act.peak_group}', {act.peak_event}; last shard rank "

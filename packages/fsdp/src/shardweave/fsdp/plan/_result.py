@@ -100,6 +100,7 @@ class ActivationPlan:
     lines_at_peak: dict[str, int]
     peaks: dict[str, int]  # each line's own peak over the fake step (as ``CATEGORIES``)
     seconds: float
+    step: str = ""  # the step planned, up to its loss (``_activations.resolve_step``)
 
 
 @dataclass(frozen=True)

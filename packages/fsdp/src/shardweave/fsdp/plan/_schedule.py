@@ -204,20 +204,25 @@ class Replay:
     def add(self, category: str, delta: int, group: str, event: str) -> None:
         if delta:
             self.bytes[category] += delta
-            self._record(group, event, delta)
+            # A free moves no peak (bytes change elsewhere only downwards: a gradient moved
+            # out of "activations", a reduce output freed): recorded for the timeline only.
+            if delta > 0 or self.keep_timeline:
+                self._record(group, event, delta, category)
 
-    def _record(self, group: str, event: str, delta: int) -> None:
+    def _record(self, group: str, event: str, delta: int, category: str | None = None) -> None:
         b = self.bytes
         res = self.result
-        where = f"{self.phase}: {group or self.current} {event}"
-        for cat, value in b.items():
+        where = ""  # built only where a peak moves: most records move none (fit replays many)
+        # only the category that grew can reach a new peak of its own
+        for cat, value in b.items() if category is None else ((category, b[category]),):
             if value > res.peaks[cat]:
+                where = where or f"{self.phase}: {group or self.current} {event}"
                 res.peaks[cat] = value
                 res.peaks_at[cat] = where
         total = sum(b.values())
         if total > res.peak_dynamic_bytes or not res.peak_dynamic_at:
             res.peak_dynamic_bytes = total
-            res.peak_dynamic_at = where
+            res.peak_dynamic_at = where or f"{self.phase}: {group or self.current} {event}"
             res.peak_moment = (self.phase, group or self.current, event)
             res.at_peak = dict(b)
         if self.keep_timeline:
