@@ -8,7 +8,7 @@
     nox -s bench            timing scripts; never gates a merge
     nox -s compat           the version matrix: parity, accelerator-branch and integration tests
                             on torch 2.11.0, 2.14.1 and 2.15.0, e.g. nox -s "compat(torch='2.15.0')"
-    nox -s gpu              on a machine with a CUDA GPU: the GPU kit's JSON report (tools/gpu_kit.py)
+    nox -s gpu              on a machine with a CUDA GPU: the GPU kit's JSON report (tools/gpu_kit)
     nox -s docs             build the Sphinx docs into docs/_build/html, warnings as errors
     nox -s tests -- -k fsdp -x     arguments after -- go to pytest (or to the demo / bench script)
 
@@ -373,17 +373,18 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=False, venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The GPU kit (tools/gpu_kit.py): parity with torch's FSDP2 on NCCL, delayed collectives
-    with consumer-side delays, the tests' stream mutations (each must be caught), a
-    transformers Llama (when installed), host syncs, CUDA's sanitizer and a 0.5B-parameter
-    benchmark (each round in a fresh process), in one JSON report.
+    """The GPU kit (tools/gpu_kit, a package run as a folder: one module per section): parity
+    with torch's FSDP2 on NCCL, delayed collectives with consumer-side delays, the tests'
+    stream mutations (each must be caught), a transformers Llama (when installed), host
+    syncs, CUDA's sanitizer and a 0.5B-parameter benchmark (each round in a fresh process),
+    in one JSON report.
 
     Runs with the machine's own python and torch (torch 2.11 or newer, no package index
     needed): the packages are imported from packages/*/src. Without CUDA, or without torch in
     that python, it prints one line and exits 0. Arguments after -- go to the script (e.g.
     -- --out report.json). Never a default.
     """
-    session.run("python", "tools/gpu_kit.py", *session.posargs, external=True)
+    session.run("python", "tools/gpu_kit", *session.posargs, external=True)
 
 
 DOCS_DEPS = ("sphinx>=8", "myst-parser>=4")

@@ -79,7 +79,7 @@ _BF16_REDUCE: dict[str, Any] = {"mp": True, "reduce_dtype": torch.bfloat16}
 # wait the buffer is released while another stream's use is unordered (reported as an unsafe
 # reuse by the allocator model; on a GPU the caching allocator hands the block out again).
 # Same shape as WAIT_MUTATIONS; the accelerator-branch tests and the GPU kit's ``mutants``
-# section (tools/gpu_kit.py) run both lists.
+# section (tools/gpu_kit) run both lists.
 KEEP_ALIVE_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     # Keep-alive of the reduce-scatter input (point 6): released when the current stream
     # waited for the reduce-scatter.

@@ -1,4 +1,4 @@
-"""The GPU kit (``tools/gpu_kit.py``, ``nox -s gpu``) on a machine without CUDA: the one-line
+"""The GPU kit (``tools/gpu_kit``, ``nox -s gpu``) on a machine without CUDA: the one-line
 dry paths (no CUDA, no torch), the sections that need no CUDA run on CPU, which checks the
 kit's own logic (its comparisons, its threaded ranks, its ``DelayedCollectives`` plugin, its
 consumer-side delays, its bench rounds, its mutants) before a GPU ever runs it, and the kit's
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.tools._load import REPO, load_tool
+from tests.tools._load import REPO, load_tool_module
 
-KIT = REPO / "tools" / "gpu_kit.py"
+KIT = REPO / "tools" / "gpu_kit"  # a package run as a folder: python tools/gpu_kit
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry path is CPU-only")
 
 
@@ -36,9 +36,9 @@ def _kit(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
-@pytest.fixture(scope="module")
-def kit() -> ModuleType:
-    return load_tool("gpu_kit")
+def _kit_module(name: str) -> ModuleType:
+    """One module of the kit (``tools/gpu_kit/<name>.py``): bench, driver, sync, ..."""
+    return load_tool_module("gpu_kit", name)
 
 
 @needs_no_cuda
@@ -117,25 +117,29 @@ def test_bench_rounds_start_from_the_same_baseline(tmp_path: Path) -> None:
     assert bench["peak_memory_ratio"] > 0 and bench["step_time_ratio"] > 0
 
 
-def test_bench_fails_when_a_round_starts_from_leftovers(kit: ModuleType) -> None:
+def test_bench_fails_when_a_round_starts_from_leftovers() -> None:
     """What the old in-process bench did: each round on top of the previous rounds' memory."""
+    bench, driver = _kit_module("bench"), _kit_module("driver")
 
     def round_(engine: str, baseline: int) -> dict[str, Any]:
-        phases = {p: {"allocated": baseline + 10, "peak": baseline + 20} for p in kit.BENCH_PHASES}
+        phases = {
+            p: {"allocated": baseline + 10, "peak": baseline + 20} for p in bench.BENCH_PHASES
+        }
         return {"engine": engine, "baseline_bytes": baseline, "phases": phases, "step_ms": 1.0}
 
-    engines = kit.BENCH_ROUNDS
-    same = kit.bench_verdict([round_(e, 100) for e in engines])
+    engines = bench.BENCH_ROUNDS
+    same = bench.bench_verdict([round_(e, 100) for e in engines])
     assert same["ok"] and same["peak_memory_ratio"] == 1.0, same
-    growing = kit.bench_verdict([round_(e, 100 * (i + 1)) for i, e in enumerate(engines)])
+    growing = bench.bench_verdict([round_(e, 100 * (i + 1)) for i, e in enumerate(engines)])
     assert not growing["ok"] and growing["baselines"] == [100, 200, 300, 400], growing
-    assert not kit._passed("bench", growing)
+    assert not driver._passed("bench", growing)
 
 
-def test_sync_counts_only_synchronization_warnings(kit: ModuleType) -> None:
+def test_sync_counts_only_synchronization_warnings() -> None:
     """A planted non-sync warning (the pre-backward hook's "returned a view tensor") is listed
     apart; a planted warning with torch's sync-debug text is counted."""
-    with kit.recording_syncs() as found:
+    sync = _kit_module("sync")
+    with sync.recording_syncs() as found:
         warnings.warn(
             "fully_shard-wrapped module (Net) returned a view tensor; an in-place op ...",
             UserWarning,
@@ -145,9 +149,9 @@ def test_sync_counts_only_synchronization_warnings(kit: ModuleType) -> None:
         warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
     assert len(found["syncs"]) == 2, found
     assert len(found["other"]) == 1 and "returned a view tensor" in found["other"][0], found
-    assert kit.sync_verdict(found["syncs"], found["syncs"])["ok"]
-    assert kit.sync_verdict(found["syncs"], found["syncs"][:1])["ok"] is False
-    verdict = kit.sync_verdict([], found["syncs"])
+    assert sync.sync_verdict(found["syncs"], found["syncs"])["ok"]
+    assert sync.sync_verdict(found["syncs"], found["syncs"][:1])["ok"] is False
+    verdict = sync.sync_verdict([], found["syncs"])
     assert verdict["ok"] and verdict["counts"] == {"shardweave": 0, "torch": 2}, verdict
 
 
@@ -170,10 +174,11 @@ class _Engine:
         stream.wait_stream("other")
 
 
-def test_dropping_waits_removes_only_the_named_functions_waits(kit: ModuleType) -> None:
+def test_dropping_waits_removes_only_the_named_functions_waits() -> None:
+    delayed = _kit_module("delayed")
     stream, dropped = _Stream(), []
     original = _Stream.wait_event
-    with kit.dropping_waits(_Stream, lambda: {"_Engine.ordered"}, dropped):
+    with delayed.dropping_waits(_Stream, lambda: {"_Engine.ordered"}, dropped):
         _Engine().ordered(stream)
         _Engine().kept(stream)
     assert stream.waited == ["other"] and dropped == ["_Engine.ordered"]
@@ -203,8 +208,8 @@ def test_device_mutant_path_runs_on_cpu(tmp_path: Path) -> None:
     names = ["reduce-scatter-waits-for-compute", "all-gather-waits-for-copy-in"]
     code = (
         "import json, sys; sys.path[:0] = sys.argv[1:]\n"
-        "import gpu_kit\n"
-        f"print(json.dumps(gpu_kit.mutants_threaded('cpu', 2, {names!r})))\n"
+        "from gpu_kit.mutants import mutants_threaded\n"
+        f"print(json.dumps(mutants_threaded('cpu', 2, {names!r})))\n"
     )
     paths = [str(REPO / "tools"), *(str(REPO / "packages" / p / "src") for p in
              ("mesh", "fsdp", "replicate", "extensions"))]  # fmt: skip
@@ -229,14 +234,10 @@ def test_every_mutant_has_a_producer_delay() -> None:
     """``MUTANT_DELAYS`` names, for each mutation of the tests, the late producer the device
     run delays (a mutation added to the tests without one would fail the kit with a KeyError
     on the GPU)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import gpu_kit
-    finally:
-        sys.path.remove(str(REPO / "tools"))
-    assert set(gpu_kit.MUTANT_DELAYS) == set(gpu_kit.mutations())
-    for delays in gpu_kit.MUTANT_DELAYS.values():
-        assert len(delays) == 1 and delays <= gpu_kit.ALL_DELAYS, delays
+    mutants, delayed = _kit_module("mutants"), _kit_module("delayed")
+    assert set(mutants.MUTANT_DELAYS) == set(mutants.mutations())
+    for delays in mutants.MUTANT_DELAYS.values():
+        assert len(delays) == 1 and delays <= delayed.ALL_DELAYS, delays
 
 
 def test_llama_section_passes_or_skips_without_transformers(tmp_path: Path) -> None:
@@ -256,13 +257,15 @@ def test_llama_section_passes_or_skips_without_transformers(tmp_path: Path) -> N
     assert len([k for k in llama if k.startswith(("tied", "untied"))]) == 8, llama
 
 
-def test_llama_verdict_judges_only_where_torch_agrees_with_itself(kit: ModuleType) -> None:
+def test_llama_verdict_judges_only_where_torch_agrees_with_itself() -> None:
+    llama = _kit_module("llama")
+
     def run(loss: float) -> dict[str, Any]:
         return {"losses": [loss], "params": [("w", torch.ones(2), torch.ones(2))], "state": []}
 
-    agree = kit.llama_verdict(run(1.0), run(1.0), run(1.0))
+    agree = llama.llama_verdict(run(1.0), run(1.0), run(1.0))
     assert agree["ok"] and agree["judged"]
-    differs = kit.llama_verdict(run(1.0), run(1.0), run(2.0))
+    differs = llama.llama_verdict(run(1.0), run(1.0), run(2.0))
     assert not differs["ok"] and differs["judged"]
-    noisy = kit.llama_verdict(run(1.0), run(3.0), run(2.0))  # torch differs from itself
+    noisy = llama.llama_verdict(run(1.0), run(3.0), run(2.0))  # torch differs from itself
     assert noisy["ok"] and not noisy["judged"] and not noisy["torch_agrees_with_itself"]

@@ -4,7 +4,7 @@ moved onto the root's device, and the device-to-host copies of CPU offload.
 On this CPU-only machine the root's device is the CPU and an offloaded gradient is already on
 the host, so the engine skips these moves here. What decides them is tested directly against
 torch's FSDP2 (its ``_root_pre_forward`` and ``foreach_reduce``), and the world-size-1 NCCL
-cases of the GPU kit (``tools/gpu_kit.py``: ``cpu_batch``, ``offload_hooks``) run them on a GPU.
+cases of the GPU kit (``tools/gpu_kit``: ``cpu_batch``, ``offload_hooks``) run them on a GPU.
 
 Oracles: *compatibility* (torch's rules) and *closed form*.
 """

@@ -1,7 +1,7 @@
 """The planner's predicted traffic against the tracer's measurements on real runs.
 
 Oracle: *measurement* (``shardweave.fsdp.trace`` on a real training step at world sizes 2 and
-4, plus the bytes each rank really holds: flat shard buffers, sharded gradients, optimizer
+4, plus the bytes each rank really holds: parameter shards, sharded gradients, optimizer
 state). Bytes communicated per kind and the bytes held between steps must match exactly (the
 memory lines during the step are checked in ``test_plan_vs_real``).
 """
@@ -138,7 +138,7 @@ def plan_matches_trace(rank: int, world: int, cfg: dict[str, Any]) -> None:
     expected_bytes = {k: predicted.comm_bytes[k] for k in traced_bytes}
     assert traced_bytes == expected_bytes, (tag, traced_bytes, expected_bytes)
     assert predicted.comm_bytes["total"] == sum(traced_bytes.values()), tag
-    # Held between steps: flat shards, sharded grads (zero_grad(set_to_none=False) keeps
+    # Held between steps: parameter shards, sharded grads (zero_grad(set_to_none=False) keeps
     # them) and optimizer state, which follows the real (unpadded) shard.
     shard_mesh = mesh["shard"] if cfg.get("hsdp") else mesh
     last = shard_mesh.get_local_rank() == shard_mesh.size() - 1

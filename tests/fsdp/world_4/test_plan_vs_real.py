@@ -1,7 +1,7 @@
 """The planner's predictions against real training steps on 4 ranks (HSDP on 2x2 and 4x1 meshes).
 
 Oracle: *measurement* on real ranks (``tests/fsdp/_plan_real``): the bytes each rank holds
-(flat shard buffers, sharded gradients, optimizer state) and the peaks of gathered parameters
+(parameter shards, sharded gradients, optimizer state) and the peaks of gathered parameters
 and of unsharded gradients must match the plan exactly; the step's peak live tensor bytes, counted as the benchmark counts
 them, within 5% of the plan's peak with activations and, on R x 1 meshes computing in fp32,
 never above it (``_plan_real.never_below``: the smallest peak of three steps).
