@@ -226,6 +226,17 @@ def _is_backend_staging(ev: Any, main_tid: int) -> bool:
     return False
 
 
+def _profile_events(prof: Any) -> list[Any]:
+    """Every event of a profile's event tree, children included."""
+    events: list[Any] = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        event = todo.pop()
+        events.append(event)
+        todo.extend(event.children)
+    return events
+
+
 def _peak_in_window(prof: Any, host: frozenset[int] = frozenset()) -> tuple[int, int]:
     """(peak, total before the window) of live CPU tensor bytes; see the module docstring.
     With several windows (identical steps), the smallest peak and its window's total before:
@@ -245,12 +256,7 @@ def _peak_in_window(prof: Any, host: frozenset[int] = frozenset()) -> tuple[int,
     are); the last allocation at each, still alive at the end, is not counted."""
     from torch._C._profiler import _EventType
 
-    events: list[Any] = []
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        ev = todo.pop()
-        events.append(ev)
-        todo.extend(ev.children)
+    events = _profile_events(prof)
     windows = [e for e in events if e.name == WINDOW]
     assert windows, "no measured window"
     main_tid = windows[0].start_tid
@@ -305,12 +311,7 @@ def freed_inside(prof: Any, name: str) -> int:
     sharded gradients are DLPack aliases of slots of one buffer, ``own_storage``)."""
     from torch._C._profiler import _EventType
 
-    events: list[Any] = []
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        event = todo.pop()
-        events.append(event)
-        todo.extend(event.children)
+    events = _profile_events(prof)
     (window,) = [e for e in events if e.name == name]
     return -sum(
         e.typed[1].alloc_size

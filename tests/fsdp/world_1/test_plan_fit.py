@@ -222,23 +222,27 @@ def test_bad_inputs() -> None:
         fit(on_cuda_only, mesh=2, sample_input=SAMPLE, budget="1GiB")
 
 
+# The CLI's arguments for the tiny Net of this module on 2 gloo ranks.
+NET_CLI = (
+    "--model",
+    "tests.fsdp.world_1.test_plan_fit:Net",
+    "--mesh",
+    "2",
+    "--sample-input",
+    "2x16:long",
+    "--wrap",
+    "Block",
+    "--backend",
+    "gloo",
+)
+
+
 def test_cli_json_and_nothing_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """In-process ``main`` (the ``python -m`` entry is covered by test_plan's CLI test)."""
     from shardweave.fsdp.plan.__main__ import main
 
     out = tmp_path / "fit.json"
-    base = [
-        "--model",
-        "tests.fsdp.world_1.test_plan_fit:Net",
-        "--mesh",
-        "2",
-        "--sample-input",
-        "2x16:long",
-        "--wrap",
-        "Block",
-        "--backend",
-        "gloo",
-    ]
+    base = list(NET_CLI)
     assert main([*base, "--fit", "1GiB", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "the winner as code" in text and "estimate" in text and "search space" in text
@@ -571,18 +575,7 @@ def test_labels_model_plans_its_loss() -> None:
 def test_cli_step(capsys: pytest.CaptureFixture[str]) -> None:
     from shardweave.fsdp.plan.__main__ import main
 
-    base = [
-        "--model",
-        "tests.fsdp.world_1.test_plan_fit:Net",
-        "--mesh",
-        "2",
-        "--sample-input",
-        "2x16:long",
-        "--wrap",
-        "Block",
-        "--backend",
-        "gloo",
-    ]
+    base = list(NET_CLI)
     assert (
         main([*base, "--fit", "1GiB", "--step", "tests.fsdp.world_1.test_plan_fit:mse_step"]) == 0
     )
