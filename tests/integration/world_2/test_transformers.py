@@ -295,6 +295,63 @@ def test_bf16_mixed_precision(world2: WorkerPool, tmp_path: Path) -> None:
     world2.run(mixed_precision_parity, str(tmp_path), 3, timeout=180)
 
 
+TIED_SHARE_MEMORY = "refused: tied weights share memory"
+
+
+def _save_distributed(model: nn.Module, directory: Path) -> str:
+    """``save_pretrained(distributed_checkpoint=True)``, or, where safetensors refuses the
+    state dict's tied weights for sharing memory, the same DCP save with the tied key's value
+    copied (the loader reads both keys into the one tied parameter). Returns which happened.
+
+    On CPU, DCP hands safetensors each local tensor as it is when its storage is exactly its
+    size: then the tied weights' entries share memory and safetensors raises, as for an
+    unsharded tied model saved by one rank (``_plain_tied_save``). Each shard of ours is such
+    a storage, as torch allocates shards; torch's engine gets past it here only because on CPU
+    transformers' loading leaves its shards views of whole-size tensors, which DCP copies
+    first. On an accelerator DCP copies every tensor to the host, and neither engine meets it
+    (not checked here: no GPU)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        model.save_pretrained(directory, distributed_checkpoint=True)
+        return "saved"
+    except CheckpointException as e:
+        if "share memory" not in str(e):
+            raise
+    state = get_model_state_dict(model)
+    state["lm_head.weight"] = state["lm_head.weight"].clone()  # tied to the embedding
+    writer = HuggingFaceStorageWriter(
+        path=str(directory), save_distributed=True, enable_consolidation=False
+    )
+    dcp.save(state, storage_writer=writer)
+    model.config.save_pretrained(directory)  # what save_pretrained writes beside the shards
+    return TIED_SHARE_MEMORY
+
+
+def _plain_tied_save(directory: Path) -> str:
+    """What an unsharded model with tied weights gets from DCP's safetensors writer on CPU,
+    saved by one rank (with more, DCP hands each rank one of the two keys)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model = nn.Sequential(nn.Embedding(13, 6), nn.Linear(6, 13, bias=False))
+    model[1].weight = model[0].weight
+    alone, _ = dist.new_subgroups(group_size=1)
+    writer = HuggingFaceStorageWriter(
+        path=str(directory / f"rank{dist.get_rank()}"),
+        save_distributed=True,
+        enable_consolidation=False,
+    )
+    try:
+        dcp.save(model.state_dict(), storage_writer=writer, process_group=alone)
+    except CheckpointException as e:
+        return TIED_SHARE_MEMORY if "share memory" in str(e) else str(e)
+    return "saved"
+
+
 def _checkpoint_run(engine: str, folder: Path, root: Path, rank: int) -> dict[str, Any]:
     """Train, save three ways, keep training; then a model reloaded from the gathered files
     (fresh optimizer) and one resumed from DCP (model and optimizer) take the same steps."""
@@ -313,7 +370,7 @@ def _checkpoint_run(engine: str, folder: Path, root: Path, rank: int) -> dict[st
         _train(model, opt, range(CHECKPOINT_STEPS), rank)
         out["saved"], out["saved_full"] = local_params(model), _full_weights(model)
         model.save_pretrained(full_dir)  # gathered: rank 0 writes model.safetensors
-        model.save_pretrained(dcp_dir, distributed_checkpoint=True)  # DCP, a file per rank
+        out["dcp_save"] = _save_distributed(model, dcp_dir)  # DCP, a file per rank
         save_optimizer_distributed(model, opt, str(optim_dir))  # DCP
         out["kept_on"] = _train(model, opt, later, rank)
 
@@ -352,6 +409,14 @@ def checkpoint_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
         _assert_same_steps(run["resumed_on"], run["kept_on"], f"{tag} resumed")
     ours, theirs = runs["shardweave"], runs["torch"]
     tag = f"rank {rank} shardweave vs torch"
+    # The distributed save of the tied model: ours as an unsharded model's (see
+    # _save_distributed); torch's shards are views of whole-size tensors here.
+    plain = _plain_tied_save(Path(root) / "plain-tied")
+    assert (ours["dcp_save"], theirs["dcp_save"], plain) == (
+        TIED_SHARE_MEMORY,
+        "saved",
+        TIED_SHARE_MEMORY,
+    ), (tag, ours["dcp_save"], theirs["dcp_save"], plain)
     assert_same_tensors(ours["files"], theirs["files"], f"{tag} model.safetensors")
     for key in ("kept_on", "reloaded_on", "resumed_on"):
         _assert_same_steps(ours[key], theirs[key], f"{tag} {key}")
