@@ -650,7 +650,9 @@ def test_twins_are_one_row() -> None:
     twin = next(f for f in rows if f.alternatives)
     assert {"root_reshard_after_forward": True} in twin.alternative_settings()
     text = format_fit(searched, top=len(rows))
-    assert "(the same peak and time with root_reshard_after_forward=True)" in text
+    # (more alternatives follow on torch 2.15, where a reduce_dtype equal to the gradients'
+    # own dtype changes neither peak nor time either)
+    assert "(the same peak and time with root_reshard_after_forward=True" in text
     row = next(r for r in searched.to_dict()["kept"] if r["config"] == asdict(twin.config))
     assert row["alternatives"] == twin.alternative_settings()
 
