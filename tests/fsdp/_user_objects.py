@@ -363,7 +363,7 @@ class Holder:
 FULL: Final = StateDictOptions(full_state_dict=True)
 FULL_CPU: Final = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-STATE_DICT: Final = Holder("model.state_dict()", lambda s: s.model.state_dict(), True)
+MODEL_SD: Final = Holder("model.state_dict()", lambda s: s.model.state_dict(), True)
 DCP_SD: Final = Holder("get_model_state_dict", lambda s: get_model_state_dict(s.model), True)
 DCP_FULL: Final = Holder(
     "get_model_state_dict(full)", lambda s: get_model_state_dict(s.model, options=FULL), True
@@ -744,15 +744,15 @@ GRADS_BEYOND_TORCH: Final = True
 _GRAD: Final[dict[str, Any]] = {"torch_raises": RuntimeError, "beyond_torch": GRADS_BEYOND_TORCH}
 
 CATALOGUE: Final[list[Line]] = [
-    *_copies(STATE_DICT),
-    _line(STATE_DICT, "load_state_dict into a fresh model", op_load_state_dict(False)),
-    _line(STATE_DICT, "load_state_dict(assign=True)", op_load_state_dict(True)),
-    _line(STATE_DICT, "load_state_dict into a trained model", op_load_into_trained(False)),
+    *_copies(MODEL_SD),
+    _line(MODEL_SD, "load_state_dict into a fresh model", op_load_state_dict(False)),
+    _line(MODEL_SD, "load_state_dict(assign=True)", op_load_state_dict(True)),
+    _line(MODEL_SD, "load_state_dict into a trained model", op_load_into_trained(False)),
     _line(
-        STATE_DICT, "load_state_dict(assign=True) into a trained model", op_load_into_trained(True)
+        MODEL_SD, "load_state_dict(assign=True) into a trained model", op_load_into_trained(True)
     ),
-    _line(STATE_DICT, "set_model_state_dict", op_set_model_state_dict(StateDictOptions())),
-    _line(STATE_DICT, "dcp.save+load into a fresh model", op_dcp_model),
+    _line(MODEL_SD, "set_model_state_dict", op_set_model_state_dict(StateDictOptions())),
+    _line(MODEL_SD, "dcp.save+load into a fresh model", op_dcp_model),
     *_copies(DCP_SD),
     _line(DCP_SD, "load_state_dict into a fresh model", op_load_state_dict(False)),
     _line(DCP_SD, "set_model_state_dict", op_set_model_state_dict(StateDictOptions())),
