@@ -133,7 +133,7 @@ def attach_engine(
             m._is_fsdp_managed_module = True  # type: ignore[assignment]
             m._fsdp_use_orig_params = True  # type: ignore[assignment]
     for root in roots:
-        expose_state_to_torch(root, state)
+        expose_state_to_torch(root, state, state.api.name)
         swap_class(root, module_cls, class_prefix)
 
 

@@ -4,7 +4,9 @@ collective is waited and its buffers retired (``ReductionSchedule``), side by si
 
 The param group decides *that* its gradients are reduced (at its post-backward); this
 module decides how and when, and the planner (``plan/_schedule``) reads the schedule's
-rules from here. See Design note: stream ordering (``_fsdp_streams``), points 5-8.
+rules from here. See Design note: stream ordering (``_fsdp_streams``), points 5-8. A
+parameter is known here only through ``ReducedParam``, what the reduction reads and sets of
+it; the engine's ``FSDPParam`` is one.
 
 Design note: one reduction pipeline, buckets as a variant
     FSDP, HSDP and replicate, on every device, reduce through ``GradientReduction``: copy-in
@@ -29,7 +31,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,6 @@ from shardweave.fsdp import _trace
 from shardweave.fsdp._comm import ReduceOpLike, collectives_for, release_finished_buffer
 from shardweave.fsdp._fsdp_api import ReduceScatter
 from shardweave.fsdp._fsdp_common import CollectiveKind
-from shardweave.fsdp._fsdp_param import FSDPParam
 from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
 from shardweave.fsdp._seam import InFlight, issue
 
@@ -47,6 +48,7 @@ __all__ = [
     "FIRST_BUCKET_BYTES",
     "GradSource",
     "GradientReduction",
+    "ReducedParam",
     "ReductionSchedule",
     "gradient_divide_factors",
     "reduce_scatters_to_retire",
@@ -109,12 +111,28 @@ def _div_(tensor: torch.Tensor, factor: float | None) -> None:
         tensor.div_(factor)
 
 
+class ReducedParam(Protocol):
+    """What a reduction reads and sets of one parameter; ``FSDPParam`` is one. (Declared here,
+    where it is read: the engine core imports this module, not the other way round.)"""
+
+    @property
+    def param_fqn(self) -> str: ...  # for errors
+    @property
+    def padded_sharded_numel(self) -> int: ...  # its slot in the reduced output
+    @property
+    def sharded_grad_dtype(self) -> torch.dtype: ...  # the dtype its sharded gradient is in
+
+    def grad_for_reduce_scatter(self, grad: torch.Tensor, world_size: int) -> torch.Tensor: ...
+
+    def assign_sharded_grad(self, reduce_output: torch.Tensor, offset: int) -> bool: ...
+
+
 @dataclass
 class GradSource:
     """One group's share of a reduction: its parameters with gradients, the gradients (emptied
     once copied in), the dtype they are handed back in, and its names."""
 
-    params: list[FSDPParam]
+    params: list[ReducedParam]
     grads: list[torch.Tensor]
     orig_dtype: torch.dtype | None  # None: each parameter's own ``sharded_grad_dtype``
     name: str  # the group's module FQN, for errors and the watchdog
@@ -145,7 +163,7 @@ class GradientReduction:
 
     def __init__(
         self,
-        fsdp_params: Sequence[FSDPParam],
+        fsdp_params: Sequence[ReducedParam],
         grads: list[torch.Tensor],
         *,
         reduce_scatter_group: dist.ProcessGroup | None,
@@ -157,7 +175,7 @@ class GradientReduction:
         all_reduce_group: dist.ProcessGroup | None,
         all_reduce_grads: bool,
         partial_reduce_output: torch.Tensor | None,
-        partial_params: Sequence[FSDPParam],
+        partial_params: Sequence[ReducedParam],
         all_reduce_hook: Callable[[torch.Tensor], None] | None,
         all_reduce_hook_stream: Any,
         force_sum: bool,
@@ -462,7 +480,7 @@ class GradientReduction:
         params = self._sources[0].params
         if partial is None or (len(old) == len(params) and all(map(operator.is_, old, params))):
             return partial
-        slots: dict[FSDPParam, int] = {}
+        slots: dict[ReducedParam, int] = {}
         offset = 0
         for p in old:
             slots[p] = offset
@@ -478,7 +496,7 @@ class GradientReduction:
         return repacked
 
 
-def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[list[FSDPParam], torch.dtype]]:
+def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[list[ReducedParam], torch.dtype]]:
     """The reduced output's slots in order, as runs that are handed back in one dtype: a
     source's whole share, or, where explicit ``grad_dtype``s differ, each stretch of one dtype
     (the group laid its gradients out by dtype, ``FSDPParamGroup.post_backward``)."""
@@ -490,7 +508,7 @@ def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[list[FSDPParam],
                 yield list(run), dtype
 
 
-def _numel(params: Sequence[FSDPParam]) -> int:
+def _numel(params: Sequence[ReducedParam]) -> int:
     return sum(p.padded_sharded_numel for p in params)
 
 
