@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardweave.fsdp import FSDPTracer, fully_shard, trace
-from shardweave.fsdp import _trace as trace_module
+from shardweave.fsdp.tracing import _recorder as trace_module
 from tests._dist import WorkerPool
 from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks

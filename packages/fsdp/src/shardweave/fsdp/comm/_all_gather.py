@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from shardweave.fsdp._seam import InFlight
+from shardweave.fsdp.comm._seam import InFlight
 
 __all__ = [
     "AllGatherParam",

@@ -4,7 +4,7 @@ collective is waited and its buffers retired (``ReductionSchedule``), side by si
 
 The param group decides *that* its gradients are reduced (at its post-backward); this
 module decides how and when, and the planner (``plan/_schedule``) reads the schedule's
-rules from here. See Design note: stream ordering (``_fsdp_streams``), points 5-8. A
+rules from here. See Design note: stream ordering (``_streams``), points 5-8. A
 parameter is known here only through ``ReducedParam``, what the reduction reads and sets of
 it; the engine's ``FSDPParam`` is one.
 
@@ -36,12 +36,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _trace
-from shardweave.fsdp._comm import ReduceOpLike, collectives_for, release_finished_buffer
 from shardweave.fsdp._fsdp_api import ReduceScatter
 from shardweave.fsdp._fsdp_common import CollectiveKind
-from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
-from shardweave.fsdp._seam import InFlight, issue
+from shardweave.fsdp.comm._collectives import ReduceOpLike, collectives_for, release_finished_buffer
+from shardweave.fsdp.comm._seam import InFlight, issue
+from shardweave.fsdp.comm._streams import CommStreams, wait_event
+from shardweave.fsdp.tracing import _recorder
 
 __all__ = [
     "BUCKET_BYTES",
@@ -364,10 +364,10 @@ class GradientReduction:
         for source in sources:
             source.grads.clear()  # the unsharded grads can be freed now: the copy-in read them
         del laid_out
-        if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
+        if _recorder.ACTIVE is not None:  # see Design note: tracing hooks (tracing/_recorder)
             for source in sources:
                 if source.traced_bytes:
-                    _trace.ACTIVE.grads_reduced(source.key(), source.traced_bytes)
+                    _recorder.ACTIVE.grads_reduced(source.key(), source.traced_bytes)
         self.reduce_scatter_input = rs_input
         rs_stream = streams.reduce_scatter
         rs_stream.wait_stream(current)

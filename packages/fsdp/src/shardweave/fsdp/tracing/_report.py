@@ -1,6 +1,6 @@
-"""The FSDP tracer's reporting half: ``FSDPTracer`` renders what ``TraceRecorder`` (``_trace``)
+"""The FSDP tracer's reporting half: ``FSDPTracer`` renders what ``TraceRecorder`` (``_recorder``)
 recorded as a summary dict, a table, a Chrome trace and a memory plot. The engine never imports
-this module; see Design note: traced quantities (``_trace``) for what every number means.
+this module; see Design note: traced quantities (``_recorder``) for what every number means.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from shardweave.fsdp._fsdp_common import CollectiveKind
-from shardweave.fsdp._trace import TraceRecorder
+from shardweave.fsdp.tracing._recorder import TraceRecorder
 
 __all__ = ["FSDPTracer", "trace"]
 
@@ -24,7 +24,7 @@ class FSDPTracer(TraceRecorder):
     Use it as a context manager (or ``start()`` / ``stop()``) around training steps, and call
     ``step()`` after each optimizer step to delimit steps. Only this process is traced: each
     rank records its own trace (``pid`` = rank in the Chrome export). See Design note: traced
-    quantities (``_trace``) for what every number means.
+    quantities (``_recorder``) for what every number means.
 
     Example::
 

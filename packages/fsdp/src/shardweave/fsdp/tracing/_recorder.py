@@ -1,9 +1,9 @@
 """The FSDP tracer's recording half: what the engine gathers, reduces, copies and keeps alive,
 per step and group, as records. Engine code calls only this module; the reports (summary,
-table, Chrome trace, memory plot) are ``_trace_report``'s ``FSDPTracer``.
+table, Chrome trace, memory plot) are ``_report``'s ``FSDPTracer``.
 
 Design note: tracing hooks
-    Each instrumentation point in the engine reads ``if _trace.ACTIVE is not None:`` and only
+    Each instrumentation point in the engine reads ``if _recorder.ACTIVE is not None:`` and only
     then calls a method of the active tracer. With no tracer that is one module-attribute load
     and one identity test per point: nothing is allocated, no clock is read, no function is
     called. One tracer is active per process at a time (``FSDPTracer.start`` refuses a second).
@@ -207,7 +207,7 @@ def _nbytes(t: torch.Tensor) -> int:
 class TraceRecorder:
     """The records of one trace and the instrumentation points the engine calls while it is
     ``ACTIVE`` (see Design note: tracing hooks). Users get the subclass ``FSDPTracer``
-    (``_trace_report``), which adds the reports."""
+    (``_report``), which adds the reports."""
 
     def __init__(self) -> None:
         initialized = dist.is_available() and dist.is_initialized()

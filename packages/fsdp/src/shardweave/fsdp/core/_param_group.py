@@ -23,23 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from shardweave.fsdp import _trace
-from shardweave.fsdp._all_gather import (
-    AllGatherResult,
-    CopyOutViews,
-    all_gather_copy_in,
-    all_gather_copy_out,
-    copy_in_dtype,
-)
-from shardweave.fsdp._comm import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-    ProcessGroupAllocAllGather,
-    ProcessGroupAllocReduceScatter,
-    SymmMemAllGather,
-    SymmMemReduceScatter,
-    release_finished_buffer,
-)
 from shardweave.fsdp._fsdp_api import (
     AllGather,
     CPUOffloadPolicy,
@@ -57,16 +40,33 @@ from shardweave.fsdp._fsdp_common import (
     replace_grad_tensors,
     run_eagerly,
 )
-from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
-from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
-from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
-from shardweave.fsdp._seam import InFlight, issue
 from shardweave.fsdp._sharding_rules import group_reduce_dtype
-from shardweave.fsdp._spmd_types import outside_typecheck, register_local_function
 from shardweave.fsdp._torch_compat import (
     REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE,
     RESET_ITER_STATE_DROPS_SHARDED_GRADS,
 )
+from shardweave.fsdp.comm._all_gather import (
+    AllGatherResult,
+    CopyOutViews,
+    all_gather_copy_in,
+    all_gather_copy_out,
+    copy_in_dtype,
+)
+from shardweave.fsdp.comm._collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
+    SymmMemAllGather,
+    SymmMemReduceScatter,
+    release_finished_buffer,
+)
+from shardweave.fsdp.comm._reduction import GradientReduction, ReductionSchedule
+from shardweave.fsdp.comm._seam import InFlight, issue
+from shardweave.fsdp.comm._streams import CommStreams, wait_event
+from shardweave.fsdp.core._param import FSDPParam, ParamModuleInfo
+from shardweave.fsdp.core._spmd_types import outside_typecheck, register_local_function
+from shardweave.fsdp.tracing import _recorder
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
@@ -75,7 +75,7 @@ __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
 class FSDPCommContext:
     """Communication state shared by every group under one root: its streams, the buffers
     other streams still read, and the gradient reductions in flight (see Design note: stream
-    ordering in ``_fsdp_streams``)."""
+    ordering in ``comm/_streams``)."""
 
     def __init__(self) -> None:
         # Groups in post-forward order, with repetition: the implicit backward prefetch target
@@ -448,8 +448,8 @@ class FSDPParamGroup:
             self.post_forward_mesh_info if post_forward else self.mesh_info
         )
         assert info is not None
-        if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
-            _trace.ACTIVE.unshard_begin(self.trace_key)
+        if _recorder.ACTIVE is not None:  # see Design note: tracing hooks (tracing/_recorder)
+            _recorder.ACTIVE.unshard_begin(self.trace_key)
         world, rank = (
             (info.shard_mesh_size, info.shard_mesh_rank)
             if isinstance(info, FSDPMeshInfo)
@@ -482,13 +482,13 @@ class FSDPParamGroup:
             inp, sizes, as_bytes, gathered_dtype = all_gather_copy_in(
                 self.fsdp_params, self._copy_in_dtype, self.device, into if gathers else None
             )
-        if _trace.ACTIVE is not None:
+        if _recorder.ACTIVE is not None:
             # The gathered bytes in the parameters' dtype (one rank per shard: the input may
             # be the uncast shards, as the copy-out casts).
             itemsize = gathered_dtype.itemsize
             numel = inp.numel() if as_bytes or inp.dtype == gathered_dtype else sum(sizes)
-            _trace.ACTIVE.copy_in_end(self.trace_key, world * numel * itemsize)
-        # Read on another stream than its own (see the table in _fsdp_streams); a shard kept
+            _recorder.ACTIVE.copy_in_end(self.trace_key, world * numel * itemsize)
+        # Read on another stream than its own (see the table in comm/_streams); a shard kept
         # with it costs nothing.
         kept_input = None if slots else inp
         if not gathers:
@@ -559,14 +559,14 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is None:
             return
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.wait_begin(self.trace_key)
+        if _recorder.ACTIVE is not None:
+            _recorder.ACTIVE.wait_begin(self.trace_key)
         streams = self.comm_ctx.streams(self.device)
         current = streams.current()
         if result.in_flight is not None:
             result.in_flight.wait(streams, current)
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.all_gather_done(self.trace_key)
+        if _recorder.ACTIVE is not None:
+            _recorder.ACTIVE.all_gather_done(self.trace_key)
         self._all_gather_result = None
         if result.split_sizes:  # empty when the unsharded params alias the shards
             outputs = [p.alloc_all_gather_outputs() for p in self.fsdp_params]
@@ -601,8 +601,8 @@ class FSDPParamGroup:
             p.init_unsharded_param()
             p.to_unsharded()
         self._sharded_state = ShardedState.UNSHARDED
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.unshard_end(self.trace_key)
+        if _recorder.ACTIVE is not None:
+            _recorder.ACTIVE.unshard_end(self.trace_key)
 
     @outside_typecheck
     def reshard(self) -> None:
@@ -619,8 +619,8 @@ class FSDPParamGroup:
             for p in self.fsdp_params:
                 p.to_sharded()
             self._sharded_state = ShardedState.SHARDED
-            if _trace.ACTIVE is not None:
-                _trace.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
+            if _recorder.ACTIVE is not None:
+                _recorder.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
 
     def _to_sharded_post_forward(self) -> None:
         if self._sharded_state == ShardedState.UNSHARDED:
@@ -630,8 +630,8 @@ class FSDPParamGroup:
             streams = self.comm_ctx.streams(self.device)
             self._reshard_after_forward_event = streams.current().record_event()
             self._sharded_state = ShardedState.SHARDED_POST_FORWARD
-            if _trace.ACTIVE is not None:
-                _trace.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
+            if _recorder.ACTIVE is not None:
+                _recorder.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
 
     def set_keep_unsharded_storage(self, keep: bool) -> None:
         """Keep (or free, the default) the unsharded storage at reshard; see Design note:
@@ -687,8 +687,8 @@ class FSDPParamGroup:
     @outside_typecheck
     def post_backward(self) -> None:
         """Reshard and reduce this group's gradients (idempotent for unused groups)."""
-        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
-            return _trace.ACTIVE.time_hook("post_backward", self.trace_key, self.post_backward)
+        if _recorder.ACTIVE is not None and _recorder.ACTIVE.hook_depth == 0:
+            return _recorder.ACTIVE.time_hook("post_backward", self.trace_key, self.post_backward)
         self._training_state = TrainingState.POST_BACKWARD
         for p in self.fsdp_params:
             p.accumulate_unsharded_grad_if_needed()
@@ -732,9 +732,9 @@ class FSDPParamGroup:
         self._reducing_layout = tuple(with_grad)
         streams = self.comm_ctx.streams(self.device)
         traced_bytes = 0
-        if _trace.ACTIVE is not None:
+        if _recorder.ACTIVE is not None:
             traced_bytes = sum(g.numel() * g.element_size() for g in grads)
-            _trace.ACTIVE.grads_taken(self.trace_key, traced_bytes)
+            _recorder.ACTIVE.grads_taken(self.trace_key, traced_bytes)
         reduction = GradientReduction(
             with_grad,
             grads,
@@ -787,9 +787,9 @@ class FSDPParamGroup:
             return
         sources = [p.sharded_param_data for p in params]
         sizes = [s.numel() for s in sources]
-        if _trace.ACTIVE is not None:
+        if _recorder.ACTIVE is not None:
             itemsize = params[0].unsharded_dtype.itemsize
-            _trace.ACTIVE.copy_in_end(self.trace_key, sum(sizes) * itemsize)
+            _recorder.ACTIVE.copy_in_end(self.trace_key, sum(sizes) * itemsize)
         self._all_gather_result = AllGatherResult(
             None, None, 1, sizes, False, False, sources=sources
         )
@@ -820,8 +820,8 @@ class FSDPParamGroup:
                 # Point 3: dropping the buffers lets the all-gather streams reuse them.
                 streams.all_gather_waits(current.record_event())
             self._all_gather_result = None
-            if _trace.ACTIVE is not None:
-                _trace.ACTIVE.discard_unshard(self.trace_key)
+            if _recorder.ACTIVE is not None:
+                _recorder.ACTIVE.discard_unshard(self.trace_key)
         self._post_forward_indices.clear()
 
     def reset_iter_state(self) -> None:
@@ -829,8 +829,8 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is not None and result.in_flight is not None:
             result.in_flight.abandon()
-        if result is not None and _trace.ACTIVE is not None:
-            _trace.ACTIVE.discard_unshard(self.trace_key)
+        if result is not None and _recorder.ACTIVE is not None:
+            _recorder.ACTIVE.discard_unshard(self.trace_key)
         self._all_gather_result = None
         self._partial_reduce_output = None
         self._partial_layout = ()
@@ -919,8 +919,8 @@ class FSDPParamGroup:
 
     @property
     def trace_key(self) -> str:
-        """The tracer's key for this group (see Design note: traced quantities, ``_trace``)."""
-        return _trace.group_key(self._fqn, self._param_group_index, self._num_param_groups)
+        """The tracer's key for this group (see Design note: traced quantities, ``tracing/_recorder``)."""
+        return _recorder.group_key(self._fqn, self._param_group_index, self._num_param_groups)
 
     def consistency_lines(self, index: int) -> list[str]:
         """What every rank must agree on about this group, one fact per line (the root's

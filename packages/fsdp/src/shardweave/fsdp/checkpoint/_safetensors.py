@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardweave.fsdp._full_state_dict import (
+from shardweave.fsdp.checkpoint._full_state_dict import (
     GatherBuffers,
     IncompatibleKeys,
     LoadSource,

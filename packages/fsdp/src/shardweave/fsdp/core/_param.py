@@ -21,16 +21,16 @@ from shardweave.fsdp._fsdp_common import (
     free_storage,
     own_storage,
 )
-from shardweave.fsdp._fsdp_subclass_gather import detect_subclass_all_gather
-from shardweave.fsdp._param_handler import resolve_param_handler
 from shardweave.fsdp._sharding_rules import (
     grad_made_in,
     padded_shard_size,
     resolve_dtypes,
     shard_size,
 )
-from shardweave.fsdp._spmd_types import SpmdTypesHandler, as_storage_param
 from shardweave.fsdp._torch_compat import has_grad_dtype_override
+from shardweave.fsdp.core._param_handler import resolve_param_handler
+from shardweave.fsdp.core._spmd_types import SpmdTypesHandler, as_storage_param
+from shardweave.fsdp.core._subclass_gather import detect_subclass_all_gather
 from shardweave.mesh import FSDPMeshInfo
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class FSDPParam:
     It owns the lifecycle; what differs between parameter kinds it asks of two objects, with
     no branch per kind here: its ``ParamHandler`` (see ``_param_handler``: plain tensors, a
     plugin's DTensor, a user's kind) and its all-gather strategy (flat, or a tensor
-    subclass's own: see ``_fsdp_subclass_gather``).
+    subclass's own: see ``_subclass_gather``).
 
     Design note: storage resize
         The unsharded parameter is created once, as a view of its all-gather output buffer.
@@ -143,7 +143,7 @@ class FSDPParam:
         cost of holding the unsharded parameters between uses. Only the copy-out writes that
         storage, on the compute stream, which already ran every earlier reader of it (forward
         and backward ops, the post-forward clone): no wait is added for it (see Design note:
-        stream ordering, ``_fsdp_streams``, the kept unsharded storage row).
+        stream ordering, ``comm/_streams``, the kept unsharded storage row).
 
     Design note: tied after fully_shard
         A framework may tie a weight *after* sharding (transformers builds untied, shards, loads,
