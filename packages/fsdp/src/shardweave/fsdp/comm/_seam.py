@@ -117,6 +117,41 @@ class InFlight:
             self.tracked.finish()
 
 
+def _check(
+    kind: CollectiveKind,
+    group: dist.ProcessGroup,
+    name: str,
+    tensor: torch.Tensor,
+    device: torch.device,
+    device_type: str,
+    step: int,
+    seq: int,
+) -> None:
+    """The opt-in collective check before collective ``seq`` (see Design note: collective
+    checks, ``faults/_failures``): its signature all-gather, watched like any collective."""
+    checks: list[_watchdog.Tracked] = []
+
+    def watch_check(work: dist.Work) -> None:
+        entry = _watchdog.Tracked(step, seq, kind, name, group, device_type, work, check=True)
+        entry.host_waits()  # the check is waited at once, on the host
+        _watchdog.track(entry)
+        checks.append(entry)
+
+    try:
+        _failures.check_collective(
+            group, kind, name, tensor.numel(), tensor.dtype, device, seq, watch_check
+        )
+    except (_failures.PeerFailureError, _failures.CollectiveMismatchError):
+        raise
+    except RuntimeError as error:  # the backend gave up under the check: name the rank
+        named = _watchdog.explain(checks[0]) if checks else None
+        if named is None:
+            raise
+        raise named from error
+    for entry in checks:
+        entry.finish()  # its result was read on the host
+
+
 def issue(
     kind: CollectiveKind,
     launch: Callable[[bool], dist.Work | None],
@@ -146,27 +181,7 @@ def issue(
     # has the type read already, which costs as much as the rest of this prologue.
     device, device_type = streams.device, streams.device_type
     if _failures.checks_enabled():
-        checks: list[_watchdog.Tracked] = []
-
-        def watch_check(work: dist.Work) -> None:
-            entry = _watchdog.Tracked(step, seq, kind, name, group, device_type, work, check=True)
-            entry.host_waits()  # the check is waited at once, on the host
-            _watchdog.track(entry)
-            checks.append(entry)
-
-        try:
-            _failures.check_collective(
-                group, kind, name, tensor.numel(), tensor.dtype, device, seq, watch_check
-            )
-        except (_failures.PeerFailureError, _failures.CollectiveMismatchError):
-            raise
-        except RuntimeError as error:  # the backend gave up under the check: name the rank
-            named = _watchdog.explain(checks[0]) if checks else None
-            if named is None:
-                raise
-            raise named from error
-        for entry in checks:
-            entry.finish()  # its result was read on the host
+        _check(kind, group, name, tensor, device, device_type, step, seq)
     record = None
     if _recorder.ACTIVE is not None:  # see Design note: tracing hooks (tracing/_recorder)
         key = trace_key if isinstance(trace_key, str) else trace_key()

@@ -248,6 +248,67 @@ class _Judgement:
         return None
 
 
+def _judge_position(
+    out: _Judgement, entry: Tracked, rank: int, pos: dict[str, Any], stall: float
+) -> None:
+    """Add to ``out`` what the position ``pos`` that a live peer ``rank`` published, in this
+    model's steps, says about the stalled collective ``entry``."""
+    here = (entry.step, entry.seq)
+    pending = {(int(b[0]), int(b[1])): b for b in pos.get("pending") or []}
+    last = pos.get("last")
+    if here in pending:
+        theirs = pending[here]
+        if (theirs[2], theirs[3]) != (entry.kind, entry.group):
+            out.mismatched.append(f"rank {rank} is waiting in the {_brief_text(theirs)}")
+        else:
+            out.busy.append(f"rank {rank} is at the same collective")
+        return
+    if (
+        last is not None
+        and (int(last[0]), int(last[1])) == here
+        and (last[2], last[3]) == (entry.kind, entry.group)
+    ):
+        # Its last collective is this one, no longer pending there: it completed on
+        # its side just now, or failed there too (a backend timeout). Not a mismatch.
+        out.busy.append(f"rank {rank} is at the same collective (ended on its side)")
+        return
+    if last is not None and (int(last[0]), int(last[1])) >= here:
+        out.passed += 1
+        out.mismatched.append(
+            f"rank {rank} is already past it (its last collective is the "
+            f"{_brief_text(last)}): it skipped this one, or its collective #{entry.seq} "
+            "was another one"
+        )
+        return
+    if pos.get("abandoned"):
+        out.raised.append(
+            f"rank {rank} left the backward of step {pos.get('step')} half-way (an "
+            "exception escaped backward(), or it was interrupted) and issues nothing"
+        )
+        return
+    idle_s = float(pos.get("idle_s", 0.0))
+    if (
+        # This rank is still in the step's forward or backward (not, say, in an
+        # unshard() between steps, which the peer may simply not have reached yet)...
+        entry.phase in (_failures.Phase.FORWARD, _failures.Phase.BACKWARD)
+        # ...and the peer finished that step's backward with fewer collectives.
+        and pos.get("phase") == _failures.Phase.AFTER_BACKWARD.name
+        and int(pos.get("step", 0)) == entry.step
+        and idle_s >= stall
+    ):
+        out.mismatched.append(
+            f"rank {rank} finished the backward of step {entry.step} after "
+            f"{pos.get('seq')} collectives, where this rank is at #{entry.seq}"
+        )
+    elif pos.get("waiting") is not None or pos.get("pending"):
+        out.busy.append(f"rank {rank} is {describe(pos)}")
+    else:
+        out.idle.append(
+            f"rank {rank} is alive but has issued no collective for {idle_s:.0f} s: it is "
+            f"{describe(pos)}"
+        )
+
+
 class Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -421,80 +482,23 @@ class Watchdog:
         lost: float,
     ) -> _Judgement:
         out = _Judgement()
-        here = (entry.step, entry.seq)
         for rank, state in sorted(states.items()):
             pos = state.position
             seen = describe(pos) if pos is not None else "never seen"
             if state.exit is not None:
                 out.exited.append(f"rank {rank} {state.exit}; it was last {seen}")
-                continue
-            if state.exited(lost):
+            elif state.exited(lost):
                 out.exited.append(
                     f"rank {rank} stopped answering: its heartbeat has not moved for "
                     f"{state.silent_s:.0f} s (its process exited, was killed, or is frozen); it "
                     f"was last {seen}"
                 )
-                continue
-            if not state.answered:  # not heard from since the request: judged next time
+            elif not state.answered:  # not heard from since the request: judged next time
                 out.unheard.append(rank)
-                continue
-            if pos is None or int(pos.get("epoch", 0)) != entry.epoch:
+            elif pos is None or int(pos.get("epoch", 0)) != entry.epoch:
                 out.idle.append(f"rank {rank} is alive but not running this model's steps")
-                continue
-            pending = {(int(b[0]), int(b[1])): b for b in pos.get("pending") or []}
-            last = pos.get("last")
-            if here in pending:
-                theirs = pending[here]
-                if (theirs[2], theirs[3]) != (entry.kind, entry.group):
-                    out.mismatched.append(f"rank {rank} is waiting in the {_brief_text(theirs)}")
-                else:
-                    out.busy.append(f"rank {rank} is at the same collective")
-                continue
-            if (
-                last is not None
-                and (int(last[0]), int(last[1])) == here
-                and (last[2], last[3]) == (entry.kind, entry.group)
-            ):
-                # Its last collective is this one, no longer pending there: it completed on
-                # its side just now, or failed there too (a backend timeout). Not a mismatch.
-                out.busy.append(f"rank {rank} is at the same collective (ended on its side)")
-                continue
-            if last is not None and (int(last[0]), int(last[1])) >= here:
-                out.passed += 1
-                out.mismatched.append(
-                    f"rank {rank} is already past it (its last collective is the "
-                    f"{_brief_text(last)}): it skipped this one, or its collective #{entry.seq} "
-                    "was another one"
-                )
-                continue
-            if pos.get("abandoned"):
-                out.raised.append(
-                    f"rank {rank} left the backward of step {pos.get('step')} half-way (an "
-                    "exception escaped backward(), or it was interrupted) and issues nothing"
-                )
-                continue
-            idle_s = float(pos.get("idle_s", 0.0))
-            if (
-                # This rank is still in the step's forward or backward (not, say, in an
-                # unshard() between steps, which the peer may simply not have reached yet)...
-                entry.phase in (_failures.Phase.FORWARD, _failures.Phase.BACKWARD)
-                # ...and the peer finished that step's backward with fewer collectives.
-                and pos.get("phase") == _failures.Phase.AFTER_BACKWARD.name
-                and int(pos.get("step", 0)) == entry.step
-                and idle_s >= stall
-            ):
-                out.mismatched.append(
-                    f"rank {rank} finished the backward of step {entry.step} after "
-                    f"{pos.get('seq')} collectives, where this rank is at #{entry.seq}"
-                )
-                continue
-            if pos.get("waiting") is not None or pos.get("pending"):
-                out.busy.append(f"rank {rank} is {describe(pos)}")
-                continue
-            out.idle.append(
-                f"rank {rank} is alive but has issued no collective for {idle_s:.0f} s: it is "
-                f"{describe(pos)}"
-            )
+            else:
+                _judge_position(out, entry, rank, pos, stall)
         return out
 
     def _where(self, entry: Tracked, waited: float, failed: bool = False) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -16,6 +17,23 @@ from shardweave.fsdp.tracing._recorder import TraceRecorder
 __all__ = ["FSDPTracer", "trace"]
 
 _PLOT_INSTALL: Final = "pip install 'shardweave-fsdp[plot]'"
+
+
+def _group_stats() -> dict[str, Any]:
+    """A group's entry of the summary, before anything is counted."""
+    return {
+        "unshard": 0,
+        "reshard": 0,
+        **{
+            k: {"count": 0, "bytes": 0, "time_ms": 0.0, "exposed_ms": 0.0, "unwaited": 0}
+            for k in (kind.value for kind in CollectiveKind)
+        },
+        "copy_in_ms": 0.0,
+        "copy_out_ms": 0.0,
+        "unshard_ms": 0.0,
+        "hooks": {},
+        "peak_gathered_bytes": 0,
+    }
 
 
 class FSDPTracer(TraceRecorder):
@@ -76,37 +94,26 @@ class FSDPTracer(TraceRecorder):
         }
 
     def _summarize(self, step: int | None) -> dict[str, Any]:
+        """The summary over all steps (``step`` None) or of one step: per group, then totals
+        and the memory peaks."""
         groups: dict[str, dict[str, Any]] = {}
 
         def entry(key: str) -> dict[str, Any]:
             if key not in groups:
-                groups[key] = {
-                    "unshard": 0,
-                    "reshard": 0,
-                    **{
-                        k: {
-                            "count": 0,
-                            "bytes": 0,
-                            "time_ms": 0.0,
-                            "exposed_ms": 0.0,
-                            "unwaited": 0,
-                        }
-                        for k in (kind.value for kind in CollectiveKind)
-                    },
-                    "copy_in_ms": 0.0,
-                    "copy_out_ms": 0.0,
-                    "unshard_ms": 0.0,
-                    "hooks": {},
-                    "peak_gathered_bytes": 0,
-                }
+                groups[key] = _group_stats()
             return groups[key]
 
-        def mine(record_step: int) -> bool:
-            return step is None or record_step == step
+        totals = self._count_collectives(step, entry)
+        self._count_spans(step, entry)
+        return {"groups": groups, "collectives": totals, **self._replay_memory(step, entry)}
 
+    def _count_collectives(
+        self, step: int | None, entry: Callable[[str], dict[str, Any]]
+    ) -> dict[str, dict[str, int]]:
+        """Count each collective of ``step`` into its group's entry; the totals per kind."""
         totals = {k.value: {"count": 0, "bytes": 0} for k in CollectiveKind}
         for c in self.collectives:
-            if not mine(c.step):
+            if step is not None and c.step != step:
                 continue
             stats = entry(c.group)[c.kind]
             stats["count"] += 1
@@ -118,8 +125,12 @@ class FSDPTracer(TraceRecorder):
             else:
                 stats["time_ms"] += c.duration_ns / 1e6
                 stats["exposed_ms"] += (c.exposed_ns or 0) / 1e6
+        return totals
+
+    def _count_spans(self, step: int | None, entry: Callable[[str], dict[str, Any]]) -> None:
+        """Add each span of ``step`` (hooks, copy-in, copy-out, unshard) to its group's entry."""
         for s in self.spans:
-            if not mine(s.step):
+            if step is not None and s.step != step:
                 continue
             g = entry(s.group)
             ms = (s.end_ns - s.begin_ns) / 1e6
@@ -130,8 +141,13 @@ class FSDPTracer(TraceRecorder):
                 hook["cpu_ms"] += (s.cpu_ns or 0) / 1e6
             elif s.category in ("copy_in", "copy_out", "unshard"):
                 g[f"{s.category}_ms"] += ms
-        # Replay the counters up to the end of the step; the level carried into the step
-        # counts toward its peaks.
+
+    def _replay_memory(
+        self, step: int | None, entry: Callable[[str], dict[str, Any]]
+    ) -> dict[str, int]:
+        """Replay the memory counters up to the end of ``step``: the unshard / reshard counts
+        and peak gathered bytes of each group, and the step's peaks and end levels. The level
+        carried into the step counts toward its peaks."""
         live: dict[str, int] = {}
         gathered = grads = peak_gathered = peak_grads = 0
         carried = step is None
@@ -146,7 +162,7 @@ class FSDPTracer(TraceRecorder):
         for r in self.memory:
             if step is not None and r.step > step:
                 break
-            in_step = mine(r.step)
+            in_step = step is None or r.step == step
             if in_step and not carried:
                 carry_in()
                 carried = True
@@ -163,8 +179,6 @@ class FSDPTracer(TraceRecorder):
         if not carried:
             carry_in()
         return {
-            "groups": groups,
-            "collectives": totals,
             "peak_gathered_bytes": peak_gathered,
             "peak_grad_bytes": peak_grads,
             "end_gathered_bytes": gathered,
