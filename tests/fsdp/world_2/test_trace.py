@@ -228,7 +228,9 @@ def chrome_export(rank: int, world: int) -> None:
             assert begin >= end - 1e-6, spans
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"hook", "all_gather", "reduce_scatter"} <= names, names
-    counters = [e for e in events if e["ph"] == "C" and e["name"] == "gathered params"]
+    counters = [
+        e for e in events if e["ph"] == "C" and e["name"] == "all-gathered (issue to reshard)"
+    ]
     assert counters[-1]["args"]["bytes"] == 0
     assert (
         max(e["args"]["bytes"] for e in counters)

@@ -11,7 +11,8 @@ Design note: tracing hooks
     that runs the engine; a collective's completion is when the engine's wait for it returned.
 
 Design note: traced quantities
-    The planner predicts the same numbers; both sides use these definitions.
+    The planner predicts the same numbers (the gathered bytes aside, below); both sides use
+    these definitions.
 
     - *Step*: the records between two ``FSDPTracer.step()`` calls (the first step starts at
       ``start()``, the last ends at ``stop()``). A step with no records at ``stop()`` is dropped.
@@ -34,7 +35,10 @@ Design note: traced quantities
       storage (``set_keep_unsharded_storage(True)``) frees nothing at reshard: its gathered
       bytes stay alive from its first unshard on, and later unshards add nothing. The
       transient second copy while copy-out splits the buffer into the parameters is not
-      counted. *Gathered bytes alive* is the sum over groups.
+      counted. *Gathered bytes alive* is the sum over groups; the memory plot and the Chrome
+      trace label it "all-gathered (issue to reshard)". It is not the planner's *gathered
+      params* (copy-out to reshard), which leaves the output in flight to its communication
+      buffers: a prefetched group's all-gather counts here from its issue.
     - *Unsharded gradient bytes*: ``sum(numel * element_size)`` of the unsharded gradients a
       group's post-backward takes for reduction; live from the moment they are taken until
       they have been copied into the reduce-scatter input. Gradients accumulated unreduced

@@ -14,9 +14,14 @@ from typing import Any, Final
 from shardweave.fsdp._fsdp_common import CollectiveKind
 from shardweave.fsdp.tracing._recorder import TraceRecorder
 
-__all__ = ["FSDPTracer", "trace"]
+__all__ = ["GATHERED_LABEL", "FSDPTracer", "trace"]
 
 _PLOT_INSTALL: Final = "pip install 'shardweave-fsdp[plot]'"
+# The memory plot's and the Chrome trace's name for the gathered bytes alive: each all-gather's
+# output from its issue to its group's reshard, a prefetch still in flight included. Not the
+# planner's "gathered params", which start at the copy-out (it files the output in flight under
+# communication buffers); see Design note: traced quantities (``_recorder``).
+GATHERED_LABEL: Final = "all-gathered (issue to reshard)"
 
 
 def _group_stats() -> dict[str, Any]:
@@ -265,7 +270,7 @@ class FSDPTracer(TraceRecorder):
             if c.exposed_ns is not None:
                 args["exposed_us"] = c.exposed_ns / 1e3
             lanes.complete(c.kind, f"{c.kind} {c.group}", c.kind, c.issue_ns, c.complete_ns, args)
-        for name in ("gathered params", "unsharded grads"):
+        for name in (GATHERED_LABEL, "unsharded grads"):
             events.append({"name": name, "ph": "C", "ts": 0.0, "pid": pid, "args": {"bytes": 0}})
         for r in self.memory:
             ts = r.t_ns / 1e3
@@ -285,7 +290,7 @@ class FSDPTracer(TraceRecorder):
             gathered = r.event in ("unshard", "reshard", "discard")
             events.append(
                 {
-                    "name": "gathered params" if gathered else "unsharded grads",
+                    "name": GATHERED_LABEL if gathered else "unsharded grads",
                     "ph": "C",
                     "ts": ts,
                     "pid": pid,
@@ -306,7 +311,8 @@ class FSDPTracer(TraceRecorder):
         return out
 
     def plot_memory(self, path: str | Path) -> Path:
-        """Draw gathered-parameter and unsharded-gradient bytes alive over time as a PNG.
+        """Draw the gathered bytes alive (labelled ``GATHERED_LABEL``: each all-gather from its
+        issue to its reshard) and the unsharded-gradient bytes alive over time as a PNG.
 
         Needs matplotlib: ``pip install 'shardweave-fsdp[plot]'``. ``{rank}`` in ``path`` is
         replaced by the rank. Returns the path.
@@ -323,7 +329,7 @@ class FSDPTracer(TraceRecorder):
         fig = figure.Figure(figsize=(10, 4))
         ax = fig.add_subplot()
         for label, series in (
-            ("gathered params", self.gathered_bytes_timeline()),
+            (GATHERED_LABEL, self.gathered_bytes_timeline()),
             ("unsharded grads", self.grad_bytes_timeline()),
         ):
             ax.step(
