@@ -9,7 +9,7 @@ Trains one workload of ``run.py`` (default ``gpt``) with shardweave's ``fully_sh
 ``--world-size`` spawned CPU processes (gloo over a ``FileStore``), traced by
 ``shardweave.fsdp.trace()``. For every traced step it sums, per collective kind, the
 tracer's *exposed* time (from the moment the host began waiting for a collective until the
-wait returned; see Design note: traced quantities in ``shardweave.fsdp._trace``), takes the
+wait returned; see Design note: traced quantities in ``shardweave.fsdp.tracing._recorder``), takes the
 slowest rank, and reports the median over steps. The sources on ``PYTHONPATH`` decide which
 engine is measured, so the same script compares two commits::
 

@@ -9,7 +9,7 @@ Spawns ``--world-size`` CPU processes (gloo over a ``FileStore`` in a temporary 
 The model is ``--layers`` x ``Linear(64, 64)`` + ReLU, each pair ``fully_shard``-ed, then the
 root. Rounds alternate untraced / traced / traced / untraced so drift hits both equally; a
 step's time is the slowest rank's, and each configuration reports its median step. It also
-times the disabled instrumentation check itself (``_trace.ACTIVE is not None``) and counts how
+times the disabled instrumentation check itself (``_recorder.ACTIVE is not None``) and counts how
 many checks one step executes, which bounds the disabled overhead from above.
 """
 
@@ -60,7 +60,8 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, ou
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    from shardweave.fsdp import _trace, trace
+    from shardweave.fsdp import trace
+    from shardweave.fsdp.tracing import _recorder
 
     model = _model(args.layers)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -81,7 +82,11 @@ def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, ou
     assert last is not None
     # The disabled check, and how many a step executes (the engine's instrumentation points).
     check_ns = (
-        min(timeit.repeat("_trace.ACTIVE is not None", globals={"_trace": _trace}, number=10**6))
+        min(
+            timeit.repeat(
+                "_recorder.ACTIVE is not None", globals={"_recorder": _recorder}, number=10**6
+            )
+        )
         * 1e9
         / 10**6
     )

@@ -30,7 +30,8 @@ from _spawn import run_ranks, shardweave_step
 
 def _worker(rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any) -> None:
     train_step = shardweave_step(rank, world, store_path, args.workload)
-    from shardweave.fsdp import _watchdog, set_stall_timeout
+    from shardweave.fsdp import set_stall_timeout
+    from shardweave.fsdp.faults import _watchdog
 
     def step() -> float:
         dist.barrier()

@@ -403,9 +403,10 @@ def start_tracer(args: argparse.Namespace) -> Any:
 
 
 # Planner fields and the tracer's measurement of the same quantity in the last traced step
-# (step 0 is the warm-up: lazy init runs there). The tracer's "gathered bytes" count an
-# all-gather from its issue, buffer in flight included, so they are not the planner's gathered
-# parameters; memory is compared as the peak with activations instead (StepPeak).
+# (step 0 is the warm-up: lazy init runs there). The tracer's gathered bytes ("all-gathered
+# (issue to reshard)" in its plot) count an all-gather from its issue, buffer in flight included,
+# so they are not the planner's gathered parameters; memory is compared as the peak with
+# activations instead (StepPeak).
 PLAN_VS_TRACE: Final = (
     ("all-gather bytes / step", "all_gather", "all_gather"),
     ("reduce-scatter bytes / step", "reduce_scatter", "reduce_scatter"),

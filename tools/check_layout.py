@@ -22,8 +22,10 @@ Fails (exit 1, one line per problem) on:
   * inside a package, against the module tables of ``docs/architecture.md`` (each
     ``## Inside `shardweave.<p>``` section): an import of a module not on a line above the
     importer (at module level, inside a function, or under ``TYPE_CHECKING``: type-only imports
-    are arrows too), a module missing from its table or a line naming none, an import cycle,
-    and one module's use of another's private name (``from ._x import _y``, ``_x._y``);
+    are arrows too; a subpackage, such as a subsystem folder of ``shardweave.fsdp``, is one
+    line of its parent's table, so this orders the folders too, and has a table of its own), a
+    module missing from its table or a line naming none, an import cycle, and one module's use
+    of another's private name (``from ._x import _y``, ``_x._y``);
     ``KNOWN_BACK_EDGES`` would list back edges allowed while a restructuring lands (empty), and
     only those that exist.
 
@@ -658,10 +660,19 @@ def _check_tables(
             "function": " inside a function (a runtime import hides a cycle, it does not "
             "remove it)",
         }[edge.kind]
+        if src_unit.endswith("/") or dst_unit.endswith("/"):
+            # between subsystem folders: the lower one owns the interface it needs
+            remedy = (
+                f"`{dst_unit}` is a higher subsystem: declare what `{src_unit}` needs of it as "
+                f"an interface in `{src_unit}` (a Protocol, or data passed down) and let "
+                f"`{dst_unit}` pass it in"
+            )
+        else:
+            remedy = "move what it needs into a lower module, or pass it in"
         problems.append(
             f"{edge.path}:{edge.line}: {edge.importer} imports {edge.imported}{where}, which "
             f"is not above `{src_unit}` in the module table of {package} "
-            "(docs/architecture.md); move what it needs into a lower module, or pass it in"
+            f"(docs/architecture.md); {remedy}"
         )
     return problems
 

@@ -14,7 +14,7 @@ and events between them. This module proves that ordering on CPU:
   own ``ArgumentHandler``, taught to accept CPU tensors). The checker reports an access that is
   not ordered after a conflicting access from another stream.
 * :func:`stream_sanitizer` installs both (the fake module into the engine through
-  ``shardweave.fsdp._fsdp_streams.use_device_module``) and raises :class:`StreamRaceError` with
+  ``shardweave.fsdp.comm._streams.use_device_module``) and raises :class:`StreamRaceError` with
   CSAN's own text on exit, or leaves the errors in the report for the test to assert on.
 
 Collectives. c10d's ops (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``,
@@ -302,7 +302,7 @@ class FakeDeviceModule:
             whose stream waits are silently skipped: the mutation tests remove one wait of the
             engine this way and expect a race. Matched against the function that called
             ``wait_event`` / ``wait_stream`` / ``FakeEvent.wait``, directly or through the
-            engine's one-line helper ``_fsdp_streams.wait_event``.
+            engine's one-line helper ``comm/_streams.wait_event``.
         accelerator: the test accelerator (see :func:`stream_sanitizer`): collectives run on
             their stream as they do on a GPU, finished only when a stream ordered after them
             runs its next op (or the host synchronizes an event after them).
@@ -465,9 +465,9 @@ def _staged_collective(
     return (ret, fake_work), _PendingCollective(work, results)
 
 
-# Modules of one-line wait helpers (``_fsdp_streams.wait_event`` skips None events): the
+# Modules of one-line wait helpers (``comm/_streams.wait_event`` skips None events): the
 # caller that matters for ``drop_waits_from`` is the engine function that called the helper.
-_WAIT_HELPER_MODULES: Final[frozenset[str]] = frozenset({"shardweave.fsdp._fsdp_streams"})
+_WAIT_HELPER_MODULES: Final[frozenset[str]] = frozenset({"shardweave.fsdp.comm._streams"})
 
 
 def _caller_qualname() -> str:
@@ -947,7 +947,7 @@ def stream_sanitizer(
         raise_on_race: on a normal exit, raise :class:`StreamRaceError` if races were found.
             With False the test asserts on ``report.errors`` itself.
         install: make the engine use the fake device module
-            (``shardweave.fsdp._fsdp_streams.use_device_module``). False for code that uses
+            (``shardweave.fsdp.comm._streams.use_device_module``). False for code that uses
             ``report.device`` directly.
         drop_waits_from: see :class:`FakeDeviceModule` (mutation tests).
         accelerator: the test accelerator. The engine takes its accelerator branches
@@ -972,7 +972,7 @@ def stream_sanitizer(
     with contextlib.ExitStack() as stack:
         if install:
             # Imported here: the harness self-tests run without shardweave installed.
-            from shardweave.fsdp._fsdp_streams import use_device_module
+            from shardweave.fsdp.comm._streams import use_device_module
 
             stack.enter_context(use_device_module(device, stream_ordered=accelerator))
         stack.enter_context(_track_storage_resizes(device))

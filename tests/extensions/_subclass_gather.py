@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
-from shardweave.fsdp._fsdp_state import get_fsdp_state
+from shardweave.fsdp.core._state import get_fsdp_state
 
 Event = tuple[object, ...]
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardweave.fsdp._fsdp_streams import use_device_module
+from shardweave.fsdp.comm._streams import use_device_module
 from shardweave.fsdp.plan import FitConfig, FitResult, PlanError, apply, fit
 from shardweave.fsdp.plan._activations import resolve_step
 from tests._dist import WorkerPool

@@ -29,8 +29,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
-from shardweave.fsdp._fsdp_state import get_fsdp_state
-from shardweave.fsdp._fsdp_streams import use_device_module
+from shardweave.fsdp.comm._streams import use_device_module
+from shardweave.fsdp.core._state import get_fsdp_state
 from shardweave.fsdp.plan import Plan, plan
 from tests.fsdp._models import TinyGPT
 

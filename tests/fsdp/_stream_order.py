@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from shardweave.fsdp._fsdp_streams import device_module
 from shardweave.fsdp._torch_compat import TORCH_RELEASE
+from shardweave.fsdp.comm._streams import device_module
 from tests._dist.stream_sanitizer import SanitizerReport, stream_sanitizer
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 
@@ -28,7 +28,7 @@ from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 MIN_STREAMS = 5
 
 
-# The waits of Design note: stream ordering (_fsdp_streams), as mutations: (scenario, engine
+# The waits of Design note: stream ordering (comm/_streams), as mutations: (scenario, engine
 # function whose stream waits are removed, the ops the report must name). Shared by the CPU-branch
 # and the accelerator-branch mutation tests.
 WAIT_MUTATIONS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
@@ -217,7 +217,7 @@ def _bucket_bytes(nbytes: int | None) -> Iterator[None]:
     if nbytes is None:
         yield
         return
-    from shardweave.fsdp import _reduction
+    from shardweave.fsdp.comm import _reduction
 
     saved = _reduction.FIRST_BUCKET_BYTES, _reduction.BUCKET_BYTES
     _reduction.FIRST_BUCKET_BYTES = _reduction.BUCKET_BYTES = nbytes

@@ -40,7 +40,7 @@ from shardweave.fsdp import (
     set_idle_timeout,
     set_stall_timeout,
 )
-from shardweave.fsdp._watchdog import DEFAULT_STALL_S
+from shardweave.fsdp.faults._watchdog import DEFAULT_STALL_S
 from tests.fsdp._faults import _build, _fresh_mesh, _step
 
 STALL_S = 1.0  # the stall threshold, scaled down from 10 s

@@ -299,6 +299,87 @@ def test_subpackage_is_one_line_of_its_parent(tool: ModuleType, tmp_path: Path) 
     assert "not above `plan/` in the module table of shardweave.fsdp" in problem
 
 
+def _folder_tables(root: Path) -> None:
+    """docs/architecture.md for two subsystem folders of shardweave.fsdp, ``comm/`` below
+    ``core/`` (each one line of the package's table, and a table of its own)."""
+    _tables(root, ["_version", "comm/", "core/", "__init__"])
+    doc = root / "docs" / "architecture.md"
+    text = doc.read_text()
+    for folder, names in (("comm", ["_seam", "__init__"]), ("core", ["_param", "__init__"])):
+        text += f"### Inside `shardweave.fsdp.{folder}`\n\n| module | what it is |\n|---|---|\n"
+        text += "".join(f"| `{name}` | a module |\n" for name in names) + "\n"
+    doc.write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("source", "line", "how"),
+    [
+        ("from shardweave.fsdp.core._param import FSDPParam\n", 1, ""),
+        ("from ..core import _param\n", 1, ""),
+        (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from shardweave.fsdp.core._param import FSDPParam\n",
+            3,
+            " under TYPE_CHECKING",
+        ),
+        (
+            "def f() -> object:\n    from shardweave.fsdp.core import _param\n    return _param\n",
+            2,
+            " inside a function",
+        ),
+    ],
+)
+def test_import_from_a_lower_folder_into_a_higher_one_fails(
+    tool: ModuleType, tmp_path: Path, source: str, line: int, how: str
+) -> None:
+    """A subsystem folder is one line of its package's table: a module of the lower folder
+    (comm/) may not import one of the higher (core/), however it imports it."""
+    modules = {
+        "comm.__init__": "",
+        "comm._seam": source,
+        "core.__init__": "",
+        "core._param": "from shardweave.fsdp.comm._seam import issue\nclass FSDPParam: ...\n",
+    }
+    _fsdp(_repo(tmp_path), modules)
+    _folder_tables(tmp_path)
+    problems = tool.check(tmp_path, known_back_edges=frozenset())
+    upward = [p for p in problems if "not above" in p]
+    assert len(upward) == 1, problems
+    assert f"comm/_seam.py:{line}: shardweave.fsdp.comm._seam imports " in upward[0]
+    assert f"imports shardweave.fsdp.core._param{how}" in upward[0]
+    assert "which is not above `comm/` in the module table of shardweave.fsdp" in upward[0]
+    assert "declare what `comm/` needs of it as an interface in `comm/`" in upward[0]
+    # the downward import alone (core/ -> comm/) passes
+    _write(tmp_path / FSDP_SRC / "comm" / "_seam.py", "def issue() -> None: ...\n")
+    assert tool.check(tmp_path, known_back_edges=frozenset()) == []
+
+
+def test_real_tree_rejects_an_upward_import_between_folders(
+    tool: ModuleType, tmp_path: Path
+) -> None:
+    """The repository's own layout: its tables pass, and an import of the engine core from the
+    communication layer (the all-gather reaching for ``FSDPParam``) is refused."""
+    import shutil
+
+    from tests.tools._load import REPO
+
+    shutil.copytree(
+        REPO / "packages", tmp_path / "packages", ignore=shutil.ignore_patterns("*.pyc")
+    )
+    (tmp_path / "docs").mkdir()
+    shutil.copy(REPO / "docs" / "architecture.md", tmp_path / "docs" / "architecture.md")
+    assert tool.check(tmp_path) == []
+    all_gather = tmp_path / FSDP_SRC / "comm" / "_all_gather.py"
+    all_gather.write_text(
+        all_gather.read_text()
+        + "\n\ndef _reach_up() -> object:\n"
+        + "    from shardweave.fsdp.core._param import FSDPParam\n\n    return FSDPParam\n"
+    )
+    (problem,) = tool.check(tmp_path)
+    assert "shardweave.fsdp.comm._all_gather imports shardweave.fsdp.core._param" in problem
+    assert "not above `comm/` in the module table of shardweave.fsdp" in problem
+
+
 def test_subpackage_init_imported_from_inside_fails(tool: ModuleType, tmp_path: Path) -> None:
     # `from shardweave.fsdp.plan import plan` inside the planner climbs to its __init__
     modules = {

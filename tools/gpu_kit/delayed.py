@@ -32,10 +32,10 @@ DELAYED_CASES = (
 DELAY_POINTS: dict[str, tuple[str, str]] = {
     # compute stream, before the gathered buffer is split into the parameters: an all-gather
     # stream that reuses the buffer (next all-gather) without waiting for this overwrites it.
-    "before_copy_out": ("shardweave.fsdp._fsdp_param_group", "all_gather_copy_out"),
+    "before_copy_out": ("shardweave.fsdp.core._param_group", "all_gather_copy_out"),
     # copy-in stream, before the shards are cast/copied into the all-gather input: an
     # all-gather that does not wait for the copy-in sends a half-written input.
-    "before_copy_in": ("shardweave.fsdp._fsdp_param_group", "all_gather_copy_in"),
+    "before_copy_in": ("shardweave.fsdp.core._param_group", "all_gather_copy_in"),
     # compute stream, before the gradients are laid out into the reduce-scatter input: a
     # reduce-scatter stream that does not wait for compute reads a half-written input.
     "before_reduce_scatter_copy_in": ("torch", "_chunk_cat"),
@@ -44,11 +44,11 @@ DELAY_POINTS: dict[str, tuple[str, str]] = {
     # that stream, no collective): a current stream that reuses the input too early
     # overwrites it. The post-divide, on the stream that finishes the reduction, comes before
     # the casts into the gradients: an optimizer that does not wait reads them unwritten.
-    "before_divide": ("shardweave.fsdp._reduction", "_div_"),
+    "before_divide": ("shardweave.fsdp.comm._reduction", "_div_"),
 }
 # Python frames skipped when naming who asked for a wait: the one-line wait helpers, torch's
 # ``Stream.wait_stream`` (it calls ``wait_event``) and this module's own wrappers.
-_WAIT_HELPERS = frozenset({"shardweave.fsdp._fsdp_streams", "torch.cuda.streams", __name__})
+_WAIT_HELPERS = frozenset({"shardweave.fsdp.comm._streams", "torch.cuda.streams", __name__})
 
 
 def _waiter_name() -> str:
@@ -267,7 +267,7 @@ def run_plans(
 @contextlib.contextmanager
 def _bucket_bytes(nbytes: int) -> Iterator[None]:
     """Replicate's bucket caps set to ``nbytes`` (as the tests' scenarios do)."""
-    from shardweave.fsdp import _reduction
+    from shardweave.fsdp.comm import _reduction
 
     saved = _reduction.FIRST_BUCKET_BYTES, _reduction.BUCKET_BYTES
     _reduction.FIRST_BUCKET_BYTES = _reduction.BUCKET_BYTES = nbytes

@@ -21,7 +21,7 @@ from torch import nn
 
 from shardweave.fsdp import CPUOffloadPolicy, fully_shard
 from shardweave.fsdp._fsdp_common import inputs_to_device, moves_forward_inputs
-from shardweave.fsdp._reduction import ReductionSchedule
+from shardweave.fsdp.comm._reduction import ReductionSchedule
 from tests._dist import WorkerPool
 
 Pair = namedtuple("Pair", ["a", "b"])

@@ -20,9 +20,9 @@ BODY = textwrap.dedent(
     import contextlib, os, sys, types
     import torch, torch.distributed as dist
     from torch import nn
-    import shardweave.fsdp._spmd_types as st
+    import shardweave.fsdp.core._spmd_types as st
     from shardweave.fsdp import fully_shard
-    from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
+    from shardweave.fsdp.core._param_group import FSDPParamGroup
 
     st.SPMD_TYPES_PARAMS = True  # as on torch 2.14+, whatever this torch is
     plain = FSDPParamGroup.unshard

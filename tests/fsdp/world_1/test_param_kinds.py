@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from shardweave.fsdp import fully_shard, set_full_state_dict
-from shardweave.fsdp._param_handler import PLAIN_TENSOR_HANDLER, resolve_param_handler
+from shardweave.fsdp.core._param_handler import PLAIN_TENSOR_HANDLER, resolve_param_handler
 from shardweave.mesh import DataParallelMeshInfo, resolve_mesh_info
 from shardweave.mesh.extension_points import PARAM_KINDS, ParamKind
 from tests._dist import WorkerPool

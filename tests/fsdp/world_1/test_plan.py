@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
-from shardweave.fsdp._fsdp_state import get_fsdp_state
 from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
+from shardweave.fsdp.core._state import get_fsdp_state
 from shardweave.fsdp.plan import Plan, PlanError, format_table, plan
 from tests._dist import WorkerPool
 from tests.fsdp._models import Block, TinyGPT, loss_fn, make_batch, make_model

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
 from shardweave.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from shardweave.fsdp._reduction import gradient_divide_factors
+from shardweave.fsdp.comm._reduction import gradient_divide_factors
 
 AVG, SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
 

@@ -54,14 +54,14 @@ def _timed_waits() -> list[tuple[str, str]]:
 # Every timed ``.wait(...)`` in package code, and why it is allowed. A new one fails the test
 # until it is reviewed here: on an accelerator a timed Work.wait aborts the communicator.
 ALLOWED_TIMED_WAITS = {
-    ("_fault.py", "_timed_wait"): "Work.wait, reached only for CPU devices (see _fault.wait)",
-    ("_fault.py", "finished"): "threading.Event.wait: the hand-off for gloo's reduce-scatter",
+    ("_failures.py", "_timed_wait"): "Work.wait, reached only for CPU devices (see _failures.wait)",
+    ("_failures.py", "finished"): "threading.Event.wait: the hand-off for gloo's reduce-scatter",
     ("_watchdog.py", "_run"): "threading.Event.wait: the watchdog thread's poll interval",
 }
 
 
 def test_only_the_cpu_poll_waits_with_a_timeout() -> None:
-    """Closed form: the one timed ``Work.wait`` in package code is ``_fault._timed_wait``;
+    """Closed form: the one timed ``Work.wait`` in package code is ``_failures._timed_wait``;
     the other timed waits are host-side events, listed with their reasons."""
     assert _timed_waits() == sorted(ALLOWED_TIMED_WAITS)
 
@@ -110,18 +110,18 @@ class FakeDeviceModule:
 
 
 def waits_by_device(rank: int, world: int) -> dict[str, list[Any]]:
-    from shardweave.fsdp import _fault
     from shardweave.fsdp._fsdp_common import CollectiveKind
-    from shardweave.fsdp._fsdp_streams import CommStreams, use_device_module
-    from shardweave.fsdp._seam import issue
+    from shardweave.fsdp.comm._seam import issue
+    from shardweave.fsdp.comm._streams import CommStreams, use_device_module
+    from shardweave.fsdp.faults import _failures
 
-    saved = _fault._STATE.epoch
-    _fault._STATE.epoch = 1  # a root lazy init happened: the failure channel is live
+    saved = _failures._STATE.epoch
+    _failures._STATE.epoch = 1  # a root lazy init happened: the failure channel is live
     try:
         seen: dict[str, list[Any]] = {}
         for device in ("cpu", "cuda"):
             work = FakeWork()
-            _fault.wait(work, "a test collective", torch.device(device))
+            _failures.wait(work, "a test collective", torch.device(device))
             seen[f"fault.wait {device}"] = work.timeouts
         with use_device_module(FakeDeviceModule()):
             for device, host_wait in (("cpu", False), ("meta", False), ("meta", True)):
@@ -152,7 +152,7 @@ def waits_by_device(rank: int, world: int) -> dict[str, list[Any]]:
                 seen[key] = [asked, work.timeouts, in_flight.event in consumer.waited]
         return seen
     finally:
-        _fault._STATE.epoch = saved
+        _failures._STATE.epoch = saved
 
 
 def test_no_timed_wait_off_cpu(world1: WorkerPool) -> None:
@@ -192,9 +192,9 @@ def test_hand_off_waits_keep_their_threads() -> None:
     between waits (one thread for a run of waits, each finished before the next), starts
     another only while every kept one is blocked (a stuck wait never holds up a later one),
     and hands a wait's error to the waiting thread."""
-    from shardweave.fsdp import _fault
+    from shardweave.fsdp.faults import _failures
 
-    waiters = _fault._Waiters()
+    waiters = _failures._Waiters()
     for _ in range(5):
         work = BlockingWork()
         work.release.set()
@@ -218,18 +218,18 @@ def test_hand_off_waits_keep_their_threads() -> None:
 def test_a_forked_child_starts_with_no_waiter_threads() -> None:
     """Closed form: the parent's kept waiter threads did not survive a fork, so a child (a
     data loader worker that trains, say) must not queue its waits to them."""
-    from shardweave.fsdp import _fault
+    from shardweave.fsdp.faults import _failures
 
     work = BlockingWork()
     work.release.set()
-    done, _ = _fault._WAITERS.submit(cast(dist.Work, work))
+    done, _ = _failures._WAITERS.submit(cast(dist.Work, work))
     assert done.wait(10)
-    parent = _fault._WAITERS
+    parent = _failures._WAITERS
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report whether it got a pool of its own, then leave at once
         os.close(read)
-        fresh = _fault._WAITERS is not parent and not _fault._WAITERS._idle
+        fresh = _failures._WAITERS is not parent and not _failures._WAITERS._idle
         os.write(write, b"1" if fresh else b"0")
         os._exit(0)
     os.close(write)

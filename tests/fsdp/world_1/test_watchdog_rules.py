@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _channel, _fault, _watchdog
-from shardweave.fsdp._fault import Phase
-from shardweave.fsdp._watchdog import Tracked, Watchdog, abort_if_supported, describe
+from shardweave.fsdp.faults import _channel, _failures, _watchdog
+from shardweave.fsdp.faults._failures import Phase
+from shardweave.fsdp.faults._watchdog import Tracked, Watchdog, abort_if_supported, describe
 from tests._dist import WorkerPool
 
 EPOCH = 7
@@ -192,7 +192,7 @@ def test_a_peer_past_the_collective_is_confirmed_a_period_later(
     """Closed form: "already past it" alone is a verdict only when seen twice while ours is
     still pending (gloo can finish a collective on one rank a moment before another, and that
     rank's heartbeat then shows its next collective); any other mismatch is one at once."""
-    monkeypatch.setattr(_fault, "current_epoch", lambda: EPOCH)
+    monkeypatch.setattr(_failures, "current_epoch", lambda: EPOCH)
     failed: list[str] = []
     w = Watchdog()
     monkeypatch.setattr(w, "_fail", lambda entry, kind, message: failed.append(kind))
@@ -337,8 +337,8 @@ def seam_completion(rank: int, world: int) -> dict[str, bool]:
     completed is still pending (the host only ordered streams); once the event completes it is
     done. On CPU the host's wait finishes it."""
     from shardweave.fsdp._fsdp_common import CollectiveKind
-    from shardweave.fsdp._fsdp_streams import CommStreams, use_device_module
-    from shardweave.fsdp._seam import issue
+    from shardweave.fsdp.comm._seam import issue
+    from shardweave.fsdp.comm._streams import CommStreams, use_device_module
 
     seen: dict[str, bool] = {}
     for ordered in (True, False):

@@ -87,7 +87,7 @@ def copy_in_order(rank: int, world: int) -> list[tuple[int, int]]:
     """Body: forward with explicit prefetch on the test accelerator; for every all-gather
     copy-in after the first, (how far its stream is ordered after the compute stream, the
     compute stream's position right after the previous group's copy-out)."""
-    import shardweave.fsdp._fsdp_param_group as group_module
+    import shardweave.fsdp.core._param_group as group_module
 
     copy_in, copy_out = group_module.all_gather_copy_in, group_module.all_gather_copy_out
     seen: list[tuple[int, int]] = []

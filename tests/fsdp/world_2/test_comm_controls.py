@@ -376,7 +376,7 @@ def symm_mem_wiring(rank: int, world: int) -> None:
 
     import torch.distributed._symmetric_memory as symm_mem_module
 
-    from shardweave.fsdp._comm import SymmMemAllGather
+    from shardweave.fsdp.comm._collectives import SymmMemAllGather
 
     fake = FakeSymmMem()
     # Per all-gather: (its input lies in its output's storage, input offset, input numel).

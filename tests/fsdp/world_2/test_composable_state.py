@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState as TorchFSDPState
 
 from shardweave.fsdp import fully_shard
-from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
+from shardweave.fsdp.core._state import FSDPState, get_fsdp_state
 from tests._dist import WorkerPool
 
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.fsdp import FSDPConsistencyError, fully_shard
-from shardweave.fsdp._consistency import TIMEOUT_ENV, check_ranks_agree
+from shardweave.fsdp.faults._consistency import TIMEOUT_ENV, check_ranks_agree
 from shardweave.mesh import FSDPMeshInfo
 from tests._dist import WorkerPool
 from tests._dist.sync import barrier

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from shardweave.fsdp import FSDPTracer, fully_shard, trace
-from shardweave.fsdp._trace import CollectiveRecord, SpanRecord
+from shardweave.fsdp.tracing._recorder import CollectiveRecord, SpanRecord
 from tests._dist import WorkerPool
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
 from tests.fsdp._oracle import assert_same_as_torch
@@ -161,7 +161,7 @@ def retired_inputs_released(rank: int, world: int) -> list[bool]:
     reduce-scatter input was still referenced anywhere right after its retirement."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
+    from shardweave.fsdp.comm._reduction import GradientReduction, ReductionSchedule
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)

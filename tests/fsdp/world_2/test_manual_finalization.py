@@ -31,14 +31,13 @@ from shardweave.fsdp import (
     FSDPModule,
     GradientReductionHandle,
     PeerIdleError,
-    _fault,
-    _watchdog,
     fully_shard,
     set_idle_timeout,
     set_stall_timeout,
 )
-from shardweave.fsdp._fault import set_checks
-from shardweave.fsdp._watchdog import DEFAULT_STALL_S
+from shardweave.fsdp.faults import _failures, _watchdog
+from shardweave.fsdp.faults._failures import set_checks
+from shardweave.fsdp.faults._watchdog import DEFAULT_STALL_S
 from tests._dist import WorkerPool
 from tests.fsdp._counting import count_collectives
 from tests.fsdp._faults import DEADLINE_S, _build, _expect, _fresh_mesh, _step
@@ -416,7 +415,7 @@ def peer_never_finalizes(rank: int, world: int) -> None:
         # This failure scope ends with the test, as a restarted job's would: a later test's
         # first engine call before a root's lazy init (FSDPModule.unshard) would otherwise
         # adopt its verdict (the misuse catalogue did, on both ranks).
-        _fault.new_epoch(None)
+        _failures.new_epoch(None)
         _watchdog.new_epoch()
 
 

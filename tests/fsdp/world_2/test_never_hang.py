@@ -21,14 +21,14 @@ from shardweave.fsdp import (
     CollectiveMismatchError,
     PeerFailureError,
     PeerIdleError,
-    _fault,
     failure_guard,
     fully_shard,
     set_idle_timeout,
     set_stall_timeout,
 )
-from shardweave.fsdp._fault import set_checks
-from shardweave.fsdp._watchdog import DEFAULT_STALL_S
+from shardweave.fsdp.faults import _failures
+from shardweave.fsdp.faults._failures import set_checks
+from shardweave.fsdp.faults._watchdog import DEFAULT_STALL_S
 from tests._dist import WorkerPool, assert_close
 from tests.fsdp._faults import (
     DEADLINE_S,
@@ -216,7 +216,7 @@ def every_rank_raises_then_recovers(rank: int, world: int) -> None:
             with pytest.raises(ValueError, match="bad batch"), failure_guard():
                 raise ValueError(f"bad batch on rank {rank}")
         dist.barrier()
-    adopted = _fault.poll_failure()
+    adopted = _failures.poll_failure()
     assert adopted is not None and adopted.origin == 0, adopted
     _step(net, rank, 1)  # both ranks train on
     for name, p in net.named_parameters():

@@ -34,7 +34,8 @@ PAUSE_S = 2.5
 
 
 def _rank(rank: int, world: int, store_path: str, case: str, results: Any) -> None:
-    from shardweave.fsdp import PeerExitedError, _watchdog, set_stall_timeout
+    from shardweave.fsdp import PeerExitedError, set_stall_timeout
+    from shardweave.fsdp.faults import _watchdog
     from tests.fsdp._faults import _build, _step
     from tests.fsdp._watchdog_cases import idle_warnings, watchdog_log
 

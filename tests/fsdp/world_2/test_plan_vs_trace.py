@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard, trace
-from shardweave.fsdp._fsdp_state import get_fsdp_state
+from shardweave.fsdp.core._state import get_fsdp_state
 from shardweave.fsdp.plan import plan
 from tests._dist import WorkerPool
 from tests.fsdp._models import loss_fn, make_batch, make_model

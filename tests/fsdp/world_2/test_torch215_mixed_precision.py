@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.profiler import record_function
 
 from shardweave.fsdp import MixedPrecisionPolicy, fully_shard
-from shardweave.fsdp._consistency import FSDPConsistencyError
 from shardweave.fsdp._torch_compat import REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE
+from shardweave.fsdp.faults._consistency import FSDPConsistencyError
 from tests._dist import WorkerPool
 from tests._dist.stream_sanitizer import stream_sanitizer
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model

@@ -26,9 +26,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
 
 from shardweave.fsdp import FSDPModule, fully_shard
-from shardweave.fsdp._fsdp_state import get_fsdp_state
 from shardweave.fsdp._torch_compat import STATE_EXPOSES_ONE_GROUP
 from shardweave.fsdp._torch_interop import unimplemented_torch_methods
+from shardweave.fsdp.core._state import get_fsdp_state
 from shardweave.replicate import ReplicateModule, replicate
 from tests._dist import WorkerPool
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks

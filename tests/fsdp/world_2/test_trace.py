@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardweave.fsdp import FSDPTracer, fully_shard, trace
-from shardweave.fsdp import _trace as trace_module
+from shardweave.fsdp.tracing import _recorder as trace_module
 from tests._dist import WorkerPool
 from tests.fsdp._counting import count_collectives
 from tests.fsdp._models import loss_fn, make_batch, make_model, shard_blocks
@@ -228,7 +228,9 @@ def chrome_export(rank: int, world: int) -> None:
             assert begin >= end - 1e-6, spans
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"hook", "all_gather", "reduce_scatter"} <= names, names
-    counters = [e for e in events if e["ph"] == "C" and e["name"] == "gathered params"]
+    counters = [
+        e for e in events if e["ph"] == "C" and e["name"] == "all-gathered (issue to reshard)"
+    ]
     assert counters[-1]["args"]["bytes"] == 0
     assert (
         max(e["args"]["bytes"] for e in counters)

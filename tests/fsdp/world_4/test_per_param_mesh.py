@@ -27,7 +27,7 @@ except ImportError:
 from torch.distributed.tensor import Shard
 
 from shardweave.fsdp import ShardPlacementResult, fully_shard
-from shardweave.fsdp._fsdp_state import get_fsdp_state
+from shardweave.fsdp.core._state import get_fsdp_state
 from shardweave.mesh import FSDPMeshInfo
 from tests._dist import WorkerPool
 from tests.fsdp._oracle import assert_same_as_torch

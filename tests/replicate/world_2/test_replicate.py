@@ -82,7 +82,7 @@ def test_replicate_parity(world2: WorkerPool, micro: int) -> None:
 
 
 def collectives_per_step(rank: int, world: int) -> None:
-    from shardweave.fsdp._reduction import BUCKET_BYTES, FIRST_BUCKET_BYTES
+    from shardweave.fsdp.comm._reduction import BUCKET_BYTES, FIRST_BUCKET_BYTES
     from tests.fsdp._counting import count_collectives
 
     model = make_model("gpt")
@@ -98,7 +98,7 @@ def collectives_per_step(rank: int, world: int) -> None:
     assert sum(c.nbytes for c in traced) == grad_bytes, (traced, grad_bytes)
     assert counts["all_reduce_bytes"] == grad_bytes, (dict(counts), grad_bytes)
     assert all(c.complete_ns is not None for c in traced), traced
-    # Gradients travel in DDP-sized buckets (see shardweave.fsdp._reduction, ReductionSchedule.submit): groups are
+    # Gradients travel in DDP-sized buckets (see shardweave.fsdp.comm._reduction, ReductionSchedule.submit): groups are
     # packed in backward order into a bucket until it holds FIRST_BUCKET_BYTES (then
     # BUCKET_BYTES); whatever is left goes at the end of backward.
     sizes = [

@@ -5,14 +5,6 @@ Switching from torch is one import::
     from shardweave.fsdp import fully_shard, FSDPModule, MixedPrecisionPolicy
 """
 
-from shardweave.fsdp._consistency import FSDPConsistencyError
-from shardweave.fsdp._fault import (
-    CollectiveMismatchError,
-    PeerExitedError,
-    PeerFailureError,
-    PeerIdleError,
-    failure_guard,
-)
 from shardweave.fsdp._fsdp_api import (
     AllGather,
     Comm,
@@ -22,11 +14,6 @@ from shardweave.fsdp._fsdp_api import (
     ReduceScatter,
 )
 from shardweave.fsdp._fsdp_common import ShardPlacementResult
-from shardweave.fsdp._full_state_dict import (
-    IncompatibleKeys,
-    get_full_state_dict,
-    set_full_state_dict,
-)
 from shardweave.fsdp._fully_shard import (
     FSDPModule,
     GradientReductionHandle,
@@ -35,11 +22,24 @@ from shardweave.fsdp._fully_shard import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from shardweave.fsdp._safetensors import load_safetensors, save_safetensors
-from shardweave.fsdp._trace import CollectiveRecord, MemoryRecord, SpanRecord, StepRecord
-from shardweave.fsdp._trace_report import FSDPTracer, trace
 from shardweave.fsdp._version import __version__
-from shardweave.fsdp._watchdog import set_idle_timeout, set_stall_timeout
+from shardweave.fsdp.checkpoint._full_state_dict import (
+    IncompatibleKeys,
+    get_full_state_dict,
+    set_full_state_dict,
+)
+from shardweave.fsdp.checkpoint._safetensors import load_safetensors, save_safetensors
+from shardweave.fsdp.faults._consistency import FSDPConsistencyError
+from shardweave.fsdp.faults._failures import (
+    CollectiveMismatchError,
+    PeerExitedError,
+    PeerFailureError,
+    PeerIdleError,
+    failure_guard,
+)
+from shardweave.fsdp.faults._watchdog import set_idle_timeout, set_stall_timeout
+from shardweave.fsdp.tracing._recorder import CollectiveRecord, MemoryRecord, SpanRecord, StepRecord
+from shardweave.fsdp.tracing._report import FSDPTracer, trace
 from shardweave.mesh import DataParallelMeshDims
 
 __all__ = [

@@ -61,7 +61,7 @@ class CollectiveKind(str, Enum):
     watchdog report (a ``str``: ``kind == "all_gather"`` and JSON output read the name).
 
     Every place that counts or names kinds iterates over this enum, so a new kind is one
-    member here (plus its c10d call in ``_comm`` and the code that issues it through the
+    member here (plus its c10d call in ``comm/_collectives`` and the code that issues it through the
     seam, ``_seam.issue``). It lives in this bottom module, not in ``_seam``, because the
     modules the seam calls (the fault check, the watchdog, the tracer) name kinds too. The
     fault checker's signatures carry a kind as its ``code`` (declaration order), so every
@@ -171,7 +171,7 @@ def contiguous_strides(size: torch.Size) -> tuple[int, ...]:
 
 def free_storage(tensor: torch.Tensor) -> None:
     """Release ``tensor``'s storage but keep the tensor (see Design note: storage resize in
-    ``_fsdp_param``)."""
+    ``core/_param``)."""
     storage = tensor.untyped_storage()
     if storage.size() != 0:
         storage.resize_(0)
@@ -197,7 +197,7 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
 def alloc_storage(tensor: torch.Tensor) -> None:
     """Give a freed ``tensor`` its bytes back, in the same storage object.
 
-    See Design note: storage resize (``_fsdp_param``): autograd saved views of this storage in
+    See Design note: storage resize (``core/_param``): autograd saved views of this storage in
     the forward; refilling the same storage keeps those references valid.
     """
     storage = tensor.untyped_storage()

@@ -14,13 +14,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardweave.fsdp import _fault, _watchdog
 from shardweave.fsdp._fsdp_api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
-from shardweave.fsdp._fsdp_args import fully_shard_arguments
-from shardweave.fsdp._fsdp_init import init_fully_shard, post_forward_mesh_info
-from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
-from shardweave.fsdp._fsdp_state import FSDPState, GradientReductionToken, get_fsdp_state
 from shardweave.fsdp._torch_interop import ManagedModule
+from shardweave.fsdp.core._args import fully_shard_arguments
+from shardweave.fsdp.core._assembly import init_fully_shard, post_forward_mesh_info
+from shardweave.fsdp.core._param_group import FSDPParamGroup
+from shardweave.fsdp.core._state import FSDPState, GradientReductionToken, get_fsdp_state
+from shardweave.fsdp.faults import _failures, _watchdog
 from shardweave.mesh import DataParallelMeshDims, FSDPMeshInfo
 
 if TYPE_CHECKING:
@@ -707,7 +707,7 @@ class FSDPModule(ManagedModule):
                 stacklevel=2,
             )
             _watchdog.set_stall_timeout(stall_timeout)
-        _fault.set_checks(enable)
+        _failures.set_checks(enable)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         for group in self._groups(recurse=True):

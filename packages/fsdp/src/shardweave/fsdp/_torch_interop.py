@@ -20,7 +20,7 @@ we support, which ``tests/fsdp/world_2/test_torch_marker.py`` checks).
 (``torch.distributed.fsdp.fully_shard.state(module)``), which looks the state up in
 ``module.__dict__[STATE_KEY]`` keyed by torch's function object. ``TorchStateSlot`` answers that
 lookup with our state, recognizing torch's functions by name so that this package never imports
-them.
+them. The state is handed down with the name of the API that made it; nothing here reads it.
 
 Nothing here is imported until ``fully_shard`` or ``replicate`` is first called: importing
 shardweave never loads ``torch.distributed.fsdp``.
@@ -31,14 +31,11 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from torch import nn
 
 from shardweave.fsdp._torch_compat import TORCH_VERSION
-
-if TYPE_CHECKING:
-    from shardweave.fsdp._fsdp_state import FSDPState
 
 __all__ = [
     "ManagedModule",
@@ -146,18 +143,19 @@ class TorchStateSlot(dict[Any, Any]):
     FSDP2 APIs it gets our state. Other composable APIs (torch's activation ``checkpoint``, say)
     store and find their own states in it as in a plain dict."""
 
-    __slots__ = ("_state",)
+    __slots__ = ("_api_name", "_state")
 
-    def __init__(self, state: FSDPState, existing: dict[Any, Any]) -> None:
+    def __init__(self, state: object, api_name: str, existing: dict[Any, Any]) -> None:
         super().__init__(existing)
         self._state = state
+        self._api_name = api_name  # the shardweave API that made ``state``: "fully_shard", ...
 
     def get(self, key: Any, default: Any = None) -> Any:
         found = super().get(key, _MISSING)
         if found is not _MISSING:
             return found
         api = (getattr(key, "__module__", None), getattr(key, "__name__", None))
-        if self._state.api.name in _TORCH_APIS.get(api, ()):  # type: ignore[arg-type]
+        if self._api_name in _TORCH_APIS.get(api, ()):  # type: ignore[arg-type]
             return self._state
         return default
 
@@ -165,9 +163,11 @@ class TorchStateSlot(dict[Any, Any]):
 _MISSING = object()
 
 
-def expose_state_to_torch(module: nn.Module, state: FSDPState) -> None:
-    """Let torch's ``fully_shard.state(module)`` (and ``replicate.state``) find ``state``."""
+def expose_state_to_torch(module: nn.Module, state: object, api_name: str) -> None:
+    """Let torch's ``fully_shard.state(module)`` (and ``replicate.state``) find ``state``, the
+    state that the shardweave API ``api_name`` attached to ``module``."""
     from torch.distributed._composable.contract import STATE_KEY as key
 
     existing = module.__dict__.get(key)
-    module.__dict__[key] = TorchStateSlot(state, existing if isinstance(existing, dict) else {})
+    slot = TorchStateSlot(state, api_name, existing if isinstance(existing, dict) else {})
+    module.__dict__[key] = slot

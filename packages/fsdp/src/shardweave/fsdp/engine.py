@@ -58,10 +58,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from shardweave.fsdp import _fsdp_args, _fully_shard
+from shardweave.fsdp import _fully_shard
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
-from shardweave.fsdp._fsdp_init import attach_engine, build_groups
-from shardweave.fsdp._fsdp_state import FULLY_SHARD_API, EngineAPI, FSDPState, get_fsdp_state
+from shardweave.fsdp.core import _args
+from shardweave.fsdp.core._assembly import attach_engine, build_groups
+from shardweave.fsdp.core._state import FULLY_SHARD_API, EngineAPI, FSDPState, get_fsdp_state
 
 if TYPE_CHECKING:
     # Typing-only aliases (ours or torch's policy class), for signatures like fully_shard's:
@@ -87,17 +88,17 @@ __all__ = [
 def module_arguments(module: object, *, api: str) -> tuple[nn.Module, ...]:
     """The modules of ``api``'s ``module`` argument (one module, or a list or tuple of them);
     anything else raises ``ArgumentTypeError`` naming ``api``."""
-    return _fsdp_args.module_arguments(module, api)
+    return _args.module_arguments(module, api)
 
 
 def validate_module(module: nn.Module, *, api: str) -> None:
     """Refuse a container without a forward (``ModuleList``, ``ModuleDict``): ``ValueError``."""
-    _fsdp_args.validate_module(module, api)
+    _args.validate_module(module, api)
 
 
 def validate_ignored_params(ignored_params: object, *, api: str) -> set[nn.Parameter]:
     """``ignored_params`` as a set (``None``: empty), after checking it holds parameters."""
-    return _fsdp_args.validate_ignored_params(ignored_params, api)
+    return _args.validate_ignored_params(ignored_params, api)
 
 
 def resolve_policies(
@@ -105,7 +106,7 @@ def resolve_policies(
 ) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
     """Our policy objects for ``mp_policy`` and ``offload_policy`` (torch's are converted
     field by field); anything else raises ``TypeError`` naming ``api``."""
-    return _fsdp_args.resolve_policies(mp_policy, offload_policy, api)
+    return _args.resolve_policies(mp_policy, offload_policy, api)
 
 
 def with_state(fn: Callable[..., object], *, api: str) -> object:

@@ -103,6 +103,44 @@ class ReplicateFn(Protocol):
         ...
 
 
+def _check_not_applied(module: nn.Module, api: str) -> None:
+    """Refuse a module that ``fully_shard`` or ``replicate`` already manages (torch's errors)."""
+    state = get_fsdp_state(module)
+    if state is not None and state.api is not REPLICATE_API:
+        raise RuntimeError(
+            "Cannot apply `replicate()` on a Module already managed by `fully_shard` "
+            f"({type(module).__name__}); a module takes one of the two: drop one of the calls, "
+            "or apply replicate() to a submodule before fully_shard() on the parent"
+        )
+    if state is not None:
+        # starts with torch 2.13's sentence (its `contract` raises it), which users match on
+        raise AssertionError(
+            "Each distinct composable distributed API can only be applied to a module once. "
+            f"{api} has already been applied to {type(module).__name__}: remove the second call"
+        )
+
+
+def _replicate_mesh_info(
+    mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None, api: str
+) -> DDPMeshInfo:
+    """The replicate-only mesh info of ``mesh``: its only dim, or the replicate dims that
+    ``dp_mesh_dims`` names in a full SPMD mesh."""
+    if dp_mesh_dims is not None:
+        mesh_info = resolve_mesh_info(mesh, dp_mesh_dims, api=api)
+        if isinstance(mesh_info, FSDPMeshInfo) or not isinstance(mesh_info, DDPMeshInfo):
+            raise ValueError(
+                "replicate() with dp_mesh_dims requires replicate-only dims (no shard dims); "
+                "use fully_shard() for sharding"
+            )
+        return mesh_info
+    if mesh.ndim != 1:
+        raise MeshValidationError(
+            f"replicate expects a 1D DeviceMesh but got {mesh}; for "
+            "replicate x tensor parallel pass dp_mesh_dims=DataParallelMeshDims(replicate=...)"
+        )
+    return DDPMeshInfo(mesh, replicate_mesh_dim=0)
+
+
 def _replicate(
     module: nn.Module | list[nn.Module],
     *,
@@ -137,19 +175,7 @@ def _replicate(
     api = "replicate"
     modules = module_arguments(module, api=api)
     for m in modules:
-        state = get_fsdp_state(m)
-        if state is not None and state.api is not REPLICATE_API:
-            raise RuntimeError(
-                "Cannot apply `replicate()` on a Module already managed by `fully_shard` "
-                f"({type(m).__name__}); a module takes one of the two: drop one of the calls, "
-                "or apply replicate() to a submodule before fully_shard() on the parent"
-            )
-        if state is not None:
-            # starts with torch 2.13's sentence (its `contract` raises it), which users match on
-            raise AssertionError(
-                "Each distinct composable distributed API can only be applied to a module once. "
-                f"{api} has already been applied to {type(m).__name__}: remove the second call"
-            )
+        _check_not_applied(m, api)
         validate_module(m, api=api)
     mp_policy, offload_policy = resolve_policies(
         mp_policy=mp_policy, offload_policy=offload_policy, api=api
@@ -157,20 +183,7 @@ def _replicate(
     validate_ignored_params(ignored_params, api=api)
     mesh = mesh if mesh is not None else default_mesh(mesh_dim_names=("replicate",))
     check_mesh_argument(mesh, api=api)
-    if dp_mesh_dims is not None:
-        mesh_info = resolve_mesh_info(mesh, dp_mesh_dims, api=api)
-        if isinstance(mesh_info, FSDPMeshInfo) or not isinstance(mesh_info, DDPMeshInfo):
-            raise ValueError(
-                "replicate() with dp_mesh_dims requires replicate-only dims (no shard dims); "
-                "use fully_shard() for sharding"
-            )
-    else:
-        if mesh.ndim != 1:
-            raise MeshValidationError(
-                f"replicate expects a 1D DeviceMesh but got {mesh}; for "
-                "replicate x tensor parallel pass dp_mesh_dims=DataParallelMeshDims(replicate=...)"
-            )
-        mesh_info = DDPMeshInfo(mesh, replicate_mesh_dim=0)
+    mesh_info = _replicate_mesh_info(mesh, dp_mesh_dims, api)
     device = mesh_device(mesh)
 
     attach_engine(

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardweave.fsdp._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from shardweave.fsdp._fsdp_streams import stream_ordered
 from shardweave.fsdp._fully_shard import fully_shard
+from shardweave.fsdp.comm._streams import stream_ordered
 from shardweave.fsdp.plan._fit_config import DTYPES, Target, parse_target
 from shardweave.fsdp.plan._model import PlanError
 

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from shardweave.fsdp._reduction import reduce_scatters_to_retire
+from shardweave.fsdp.comm._reduction import reduce_scatters_to_retire
 
 __all__ = [
     "CATEGORIES",

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _channel
+from shardweave.fsdp.faults import _channel
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo
 
 __all__ = ["FSDPConsistencyError", "check_ranks_agree", "describe_groups"]
@@ -100,7 +100,7 @@ def check_ranks_agree(
     group's timeout, else 5 minutes) is named in an ``FSDPConsistencyError``.
 
     Returns a nonce every rank of the mesh agrees on (the first rank's random draw, adopted
-    group by group), which names this root's failure scope (``_fault``); None when the check
+    group by group), which names this root's failure scope (``_failures``); None when the check
     is skipped or there is no peer.
     """
     if os.environ.get(SKIP_ENV) == "1":

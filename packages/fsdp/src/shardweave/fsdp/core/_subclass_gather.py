@@ -38,7 +38,7 @@ __all__ = [
 
 class GatheredParam(Protocol):
     """What the protocol reads of the parameter it gathers; ``FSDPParam`` is one. (Declared
-    here, where it is read: ``_fsdp_param`` imports this module, not the other way round.)"""
+    here, where it is read: ``_param`` imports this module, not the other way round.)"""
 
     @property
     def param_fqn(self) -> str: ...

@@ -1,4 +1,4 @@
-"""Assembling what ``fully_shard`` builds once its arguments are checked (``_fsdp_args``):
+"""Assembling what ``fully_shard`` builds once its arguments are checked (``_args``):
 the managed modules and parameters, the state, the parameter groups and the class swap.
 
 As torch's ``_fsdp_init.py``: the module argument comes down here once, and nothing here calls
@@ -17,15 +17,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shardweave.fsdp._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
-from shardweave.fsdp._fsdp_args import (
+from shardweave.fsdp._fsdp_common import ShardPlacementResult
+from shardweave.fsdp._torch_interop import expose_state_to_torch, torch_marker_bases
+from shardweave.fsdp.core._args import (
     FullyShardArgs,
     validate_reshard_after_forward,
     validate_reshard_factor,
 )
-from shardweave.fsdp._fsdp_common import ShardPlacementResult
-from shardweave.fsdp._fsdp_param_group import FSDPParamGroup
-from shardweave.fsdp._fsdp_state import FSDPState, get_fsdp_state
-from shardweave.fsdp._torch_interop import expose_state_to_torch, torch_marker_bases
+from shardweave.fsdp.core._param_group import FSDPParamGroup
+from shardweave.fsdp.core._state import FSDPState, get_fsdp_state
 from shardweave.mesh import DataParallelMeshInfo, FSDPMeshInfo, HSDPMeshInfo, as_own_mesh_info
 
 __all__ = [
@@ -133,7 +133,7 @@ def attach_engine(
             m._is_fsdp_managed_module = True  # type: ignore[assignment]
             m._fsdp_use_orig_params = True  # type: ignore[assignment]
     for root in roots:
-        expose_state_to_torch(root, state)
+        expose_state_to_torch(root, state, state.api.name)
         swap_class(root, module_cls, class_prefix)
 
 

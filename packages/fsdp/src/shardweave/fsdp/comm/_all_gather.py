@@ -1,19 +1,23 @@
 """A group's all-gather copy-in (the 1D input) and copy-out (the gathered buffer split into
-each parameter's unsharded tensor). See Design note: tensor vocabulary (``_fsdp_common``)."""
+each parameter's unsharded tensor). See Design note: tensor vocabulary (``_fsdp_common``).
+
+A parameter is known here only through ``AllGatherParam``, what the copy-in and copy-out read
+of it; the engine's ``FSDPParam`` is one, and passes itself down.
+"""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from shardweave.fsdp._fsdp_param import FSDPParam
-from shardweave.fsdp._seam import InFlight
+from shardweave.fsdp.comm._seam import InFlight
 
 __all__ = [
+    "AllGatherParam",
     "AllGatherResult",
     "CopyIn",
     "CopyOutViews",
@@ -21,6 +25,30 @@ __all__ = [
     "all_gather_copy_out",
     "copy_in_dtype",
 ]
+
+
+class AllGatherParam(Protocol):
+    """What the copy-in and copy-out read of one parameter; ``FSDPParam`` is one. (Declared
+    here, where it is read: the engine core imports this module, not the other way round.)"""
+
+    @property
+    def unsharded_dtype(self) -> torch.dtype: ...  # the dtype it is gathered in
+    @property
+    def gathers_padded_shard(self) -> bool: ...  # its input is its padded shard, cast at most
+    @property
+    def shard_dim(self) -> int: ...
+    @property
+    def padded_sharded_size(self) -> torch.Size: ...
+    @property
+    def orig_size(self) -> torch.Size: ...  # unsharded, as gathered
+    @property
+    def all_gather_output(self) -> torch.Tensor: ...  # 1D: the unsharded data, filled here
+
+    def all_gather_source(self) -> torch.Tensor: ...  # 1D padded shard, as stored
+
+    def all_gather_inputs(self) -> list[torch.Tensor]: ...  # 1D, as its kind makes them
+
+    def gathers_rows_of_shard_dim(self, post_forward: bool) -> bool: ...
 
 
 @dataclass
@@ -53,7 +81,7 @@ class CopyIn(NamedTuple):
     gathered_dtype: torch.dtype
 
 
-def copy_in_dtype(fsdp_params: Sequence[FSDPParam]) -> torch.dtype | None:
+def copy_in_dtype(fsdp_params: Sequence[AllGatherParam]) -> torch.dtype | None:
     """The one dtype every parameter is gathered in, when each contributes its own padded
     shard (the one-op copy-in applies); None otherwise. Fixed between lazy inits: the group
     keeps it."""
@@ -64,7 +92,7 @@ def copy_in_dtype(fsdp_params: Sequence[FSDPParam]) -> torch.dtype | None:
 
 
 def all_gather_copy_in(
-    fsdp_params: Sequence[FSDPParam],
+    fsdp_params: Sequence[AllGatherParam],
     dtype: torch.dtype | None,
     device: torch.device,
     into: Callable[[int, torch.dtype], torch.Tensor] | None,
@@ -131,7 +159,7 @@ class CopyOutViews:
 
 def all_gather_copy_out(
     result: AllGatherResult,
-    fsdp_params: Sequence[FSDPParam],
+    fsdp_params: Sequence[AllGatherParam],
     outputs: Sequence[list[torch.Tensor]],
     flat_outputs: tuple[torch.Tensor, ...],
     views: CopyOutViews,
@@ -144,7 +172,7 @@ def all_gather_copy_out(
     world = result.world_size
     key = (world, result.as_bytes, result.post_forward)
     kept = views.targets
-    fixups: list[tuple[FSDPParam, torch.Tensor]] = []
+    fixups: list[tuple[AllGatherParam, torch.Tensor]] = []
     if (
         views.key == key
         and len(kept) == len(flat_outputs)

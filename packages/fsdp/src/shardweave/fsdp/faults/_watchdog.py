@@ -15,7 +15,7 @@ Design note: the watchdog
 
     Liveness and position. Every heartbeat period (a fifth of the stall threshold, 0.1-1 s)
     the thread reads the failure channel, so every rank adopts a published failure within a
-    period on every backend (see Design note: the failure channel, ``_fault``), and the
+    period on every backend (see Design note: the failure channel, ``_failures``), and the
     heartbeat requests of the cross-rank channel (``_channel``). While some rank waits on a
     stalled collective (it requests beats each period), every rank publishes its heartbeat
     with its position: the step and phase (in the forward, between forward and backward, in
@@ -76,8 +76,8 @@ from typing import Any, Final
 
 import torch.distributed as dist
 
-from shardweave.fsdp import _channel, _fault
 from shardweave.fsdp._fsdp_common import CollectiveKind
+from shardweave.fsdp.faults import _channel, _failures
 
 __all__ = [
     "IDLE_ENV",
@@ -114,8 +114,8 @@ class Tracked:
     work: Any  # dist.Work or an event wrapper; polled with is_completed(), never waited here
     device_side: bool = False  # completion is the device's (stream-ordered devices)
     check: bool = False  # the collective check's signature all-gather before this collective
-    epoch: int = field(default_factory=_fault.current_epoch)  # the failure scope
-    phase: _fault.Phase = field(default_factory=_fault.current_phase)  # at its issue
+    epoch: int = field(default_factory=_failures.current_epoch)  # the failure scope
+    phase: _failures.Phase = field(default_factory=_failures.current_phase)  # at its issue
     issued: float = field(default_factory=time.monotonic)
     finished: bool = False
     waiting_since: float | None = None  # when the host began to block on it (CPU)
@@ -170,17 +170,17 @@ def describe(pos: dict[str, Any]) -> str:
     """Where a rank is, in words: "between steps, after step 2's last reduce-scatter"."""
     step = int(pos.get("step", 0))
     try:
-        phase = _fault.Phase[str(pos.get("phase", "INIT"))]
+        phase = _failures.Phase[str(pos.get("phase", "INIT"))]
     except KeyError:
-        phase = _fault.Phase.INIT
+        phase = _failures.Phase.INIT
     last = pos.get("last")
     in_step = last is not None and int(last[0]) == step
     waiting = pos.get("waiting")
     if waiting is not None:
         where = f"waiting in the {_brief_text(waiting)}"
-    elif phase is _fault.Phase.INIT:
+    elif phase is _failures.Phase.INIT:
         where = "before its first step"
-    elif phase is _fault.Phase.AFTER_BACKWARD:
+    elif phase is _failures.Phase.AFTER_BACKWARD:
         where = f"between steps, after step {step}'s " + (
             f"last {_KIND_WORDS.get(last[2], last[2])} (group '{last[3]}', #{last[1]})"
             if in_step and last is not None
@@ -248,6 +248,67 @@ class _Judgement:
         return None
 
 
+def _judge_position(
+    out: _Judgement, entry: Tracked, rank: int, pos: dict[str, Any], stall: float
+) -> None:
+    """Add to ``out`` what the position ``pos`` that a live peer ``rank`` published, in this
+    model's steps, says about the stalled collective ``entry``."""
+    here = (entry.step, entry.seq)
+    pending = {(int(b[0]), int(b[1])): b for b in pos.get("pending") or []}
+    last = pos.get("last")
+    if here in pending:
+        theirs = pending[here]
+        if (theirs[2], theirs[3]) != (entry.kind, entry.group):
+            out.mismatched.append(f"rank {rank} is waiting in the {_brief_text(theirs)}")
+        else:
+            out.busy.append(f"rank {rank} is at the same collective")
+        return
+    if (
+        last is not None
+        and (int(last[0]), int(last[1])) == here
+        and (last[2], last[3]) == (entry.kind, entry.group)
+    ):
+        # Its last collective is this one, no longer pending there: it completed on
+        # its side just now, or failed there too (a backend timeout). Not a mismatch.
+        out.busy.append(f"rank {rank} is at the same collective (ended on its side)")
+        return
+    if last is not None and (int(last[0]), int(last[1])) >= here:
+        out.passed += 1
+        out.mismatched.append(
+            f"rank {rank} is already past it (its last collective is the "
+            f"{_brief_text(last)}): it skipped this one, or its collective #{entry.seq} "
+            "was another one"
+        )
+        return
+    if pos.get("abandoned"):
+        out.raised.append(
+            f"rank {rank} left the backward of step {pos.get('step')} half-way (an "
+            "exception escaped backward(), or it was interrupted) and issues nothing"
+        )
+        return
+    idle_s = float(pos.get("idle_s", 0.0))
+    if (
+        # This rank is still in the step's forward or backward (not, say, in an
+        # unshard() between steps, which the peer may simply not have reached yet)...
+        entry.phase in (_failures.Phase.FORWARD, _failures.Phase.BACKWARD)
+        # ...and the peer finished that step's backward with fewer collectives.
+        and pos.get("phase") == _failures.Phase.AFTER_BACKWARD.name
+        and int(pos.get("step", 0)) == entry.step
+        and idle_s >= stall
+    ):
+        out.mismatched.append(
+            f"rank {rank} finished the backward of step {entry.step} after "
+            f"{pos.get('seq')} collectives, where this rank is at #{entry.seq}"
+        )
+    elif pos.get("waiting") is not None or pos.get("pending"):
+        out.busy.append(f"rank {rank} is {describe(pos)}")
+    else:
+        out.idle.append(
+            f"rank {rank} is alive but has issued no collective for {idle_s:.0f} s: it is "
+            f"{describe(pos)}"
+        )
+
+
 class Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -263,7 +324,7 @@ class Watchdog:
         self._next_observe = 0.0
         self._requests_seen: int | None = None
         self._beat_until = 0.0
-        self._adopted: _fault.Failure | None = None
+        self._adopted: _failures.Failure | None = None
         self._backward_left: tuple[int, int] | None = None  # (epoch, step) seen once
 
     # --- the training thread's side ---------------------------------------------------------
@@ -326,7 +387,7 @@ class Watchdog:
 
     def _tick(self) -> None:
         client = _channel.thread_store()
-        if client is None or self._epoch == 0 or self._epoch != _fault.current_epoch():
+        if client is None or self._epoch == 0 or self._epoch != _failures.current_epoch():
             return
         now = time.monotonic()
         period = _channel.heartbeat_period()
@@ -338,7 +399,7 @@ class Watchdog:
                 self._beat_until = now + max(BEAT_FOR * period, 1.0)
             if now < self._beat_until:
                 _channel.publish_beat(client, self._position(period))
-            failure = _fault.poll_failure(client)
+            failure = _failures.poll_failure(client)
             if failure is not None and failure is not self._adopted:
                 self._adopted = failure
                 self._on_failure(failure)
@@ -384,13 +445,13 @@ class Watchdog:
         return [r for r in dist.get_process_group_ranks(entry.pg) if r != me]
 
     def _position(self, period: float) -> dict[str, Any]:
-        progress = _fault.progress()
+        progress = _failures.progress()
         with self._lock:
             last = self._last
             pending = [e for e in self._tracked if e.epoch == progress.epoch and e.pending()]
         waiting = [e for e in pending if e.waiting_since is not None]
         abandoned = False
-        if progress.phase is _fault.Phase.BACKWARD and progress.idle_s >= period:
+        if progress.phase is _failures.Phase.BACKWARD and progress.idle_s >= period:
             # Seen twice a heartbeat apart, so a backward just entering or leaving the
             # autograd engine is never taken for one that an exception ended.
             here = (progress.epoch, progress.step)
@@ -421,80 +482,23 @@ class Watchdog:
         lost: float,
     ) -> _Judgement:
         out = _Judgement()
-        here = (entry.step, entry.seq)
         for rank, state in sorted(states.items()):
             pos = state.position
             seen = describe(pos) if pos is not None else "never seen"
             if state.exit is not None:
                 out.exited.append(f"rank {rank} {state.exit}; it was last {seen}")
-                continue
-            if state.exited(lost):
+            elif state.exited(lost):
                 out.exited.append(
                     f"rank {rank} stopped answering: its heartbeat has not moved for "
                     f"{state.silent_s:.0f} s (its process exited, was killed, or is frozen); it "
                     f"was last {seen}"
                 )
-                continue
-            if not state.answered:  # not heard from since the request: judged next time
+            elif not state.answered:  # not heard from since the request: judged next time
                 out.unheard.append(rank)
-                continue
-            if pos is None or int(pos.get("epoch", 0)) != entry.epoch:
+            elif pos is None or int(pos.get("epoch", 0)) != entry.epoch:
                 out.idle.append(f"rank {rank} is alive but not running this model's steps")
-                continue
-            pending = {(int(b[0]), int(b[1])): b for b in pos.get("pending") or []}
-            last = pos.get("last")
-            if here in pending:
-                theirs = pending[here]
-                if (theirs[2], theirs[3]) != (entry.kind, entry.group):
-                    out.mismatched.append(f"rank {rank} is waiting in the {_brief_text(theirs)}")
-                else:
-                    out.busy.append(f"rank {rank} is at the same collective")
-                continue
-            if (
-                last is not None
-                and (int(last[0]), int(last[1])) == here
-                and (last[2], last[3]) == (entry.kind, entry.group)
-            ):
-                # Its last collective is this one, no longer pending there: it completed on
-                # its side just now, or failed there too (a backend timeout). Not a mismatch.
-                out.busy.append(f"rank {rank} is at the same collective (ended on its side)")
-                continue
-            if last is not None and (int(last[0]), int(last[1])) >= here:
-                out.passed += 1
-                out.mismatched.append(
-                    f"rank {rank} is already past it (its last collective is the "
-                    f"{_brief_text(last)}): it skipped this one, or its collective #{entry.seq} "
-                    "was another one"
-                )
-                continue
-            if pos.get("abandoned"):
-                out.raised.append(
-                    f"rank {rank} left the backward of step {pos.get('step')} half-way (an "
-                    "exception escaped backward(), or it was interrupted) and issues nothing"
-                )
-                continue
-            idle_s = float(pos.get("idle_s", 0.0))
-            if (
-                # This rank is still in the step's forward or backward (not, say, in an
-                # unshard() between steps, which the peer may simply not have reached yet)...
-                entry.phase in (_fault.Phase.FORWARD, _fault.Phase.BACKWARD)
-                # ...and the peer finished that step's backward with fewer collectives.
-                and pos.get("phase") == _fault.Phase.AFTER_BACKWARD.name
-                and int(pos.get("step", 0)) == entry.step
-                and idle_s >= stall
-            ):
-                out.mismatched.append(
-                    f"rank {rank} finished the backward of step {entry.step} after "
-                    f"{pos.get('seq')} collectives, where this rank is at #{entry.seq}"
-                )
-                continue
-            if pos.get("waiting") is not None or pos.get("pending"):
-                out.busy.append(f"rank {rank} is {describe(pos)}")
-                continue
-            out.idle.append(
-                f"rank {rank} is alive but has issued no collective for {idle_s:.0f} s: it is "
-                f"{describe(pos)}"
-            )
+            else:
+                _judge_position(out, entry, rank, pos, stall)
         return out
 
     def _where(self, entry: Tracked, waited: float, failed: bool = False) -> str:
@@ -505,7 +509,7 @@ class Watchdog:
         self, entry: Tracked, age: float, states: dict[int, _channel.PeerState], stall: float
     ) -> None:
         judged = self._judge(entry, states, stall, _channel.lost_after())
-        if not entry.pending() or entry.epoch != _fault.current_epoch():
+        if not entry.pending() or entry.epoch != _failures.current_epoch():
             return  # it finished (or its model was dropped) while we looked
         where = self._where(entry, age)
         verdict = judged.verdict(where)
@@ -563,7 +567,7 @@ class Watchdog:
         """The training thread's collective failed in the backend (gloo's "Connection closed
         by peer", or its timeout): name the rank that is gone, elsewhere or idle."""
         client = _channel.store()
-        if client is None or entry.epoch == 0 or entry.epoch != _fault.current_epoch():
+        if client is None or entry.epoch == 0 or entry.epoch != _failures.current_epoch():
             return None
         entry.finish()
         period = _channel.heartbeat_period()
@@ -598,18 +602,18 @@ class Watchdog:
         if verdict is None:
             return None
         self._fail(entry, *verdict)
-        return _fault.verdict_error(*verdict)
+        return _failures.verdict_error(*verdict)
 
     def _fail(self, entry: Tracked, kind: str, message: str) -> None:
         self._failed_epoch = entry.epoch
         on_thread = threading.current_thread() is self._thread
         client = _channel.thread_store() if on_thread else None  # see Design note: the channel
-        _fault.publish_verdict(kind, message, entry.epoch, client)
+        _failures.publish_verdict(kind, message, entry.epoch, client)
 
-    def _on_failure(self, failure: _fault.Failure) -> None:
+    def _on_failure(self, failure: _failures.Failure) -> None:
         """A failure was adopted: say so at once on every rank (the training thread may be
         blocked where it cannot raise yet), and abort where torch supports it."""
-        if _fault.raisable(failure):
+        if _failures.raisable(failure):
             logger.error(
                 "shardweave: %s (this rank raises it at its next engine call or wait)",
                 failure.message,
@@ -653,8 +657,8 @@ def explain(entry: Tracked) -> Exception | None:
 
 
 def new_epoch() -> None:
-    """A root finished lazy init (after ``_fault.new_epoch``): watch in its failure scope."""
-    WATCHDOG.new_epoch(_fault.current_epoch())
+    """A root finished lazy init (after ``_failures.new_epoch``): watch in its failure scope."""
+    WATCHDOG.new_epoch(_failures.current_epoch())
 
 
 def set_stall_timeout(seconds: float | None) -> None:

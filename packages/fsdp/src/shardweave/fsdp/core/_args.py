@@ -3,7 +3,7 @@
 ``fully_shard_arguments`` runs every check of the call (the module argument, a second
 application, the policies, ``shard_placement_fn``, ``ignored_params``,
 ``reshard_after_forward``, the mesh and ``dp_mesh_dims``) in one pass, and returns what
-assembly (``_fsdp_init``) needs as one ``FullyShardArgs``. The checks are also published one by
+assembly (``_assembly``) needs as one ``FullyShardArgs``. The checks are also published one by
 one (``shardweave.fsdp.engine``) for APIs built on the engine, as ``replicate``. Nothing here
 builds a group, attaches a state or swaps a class.
 """
@@ -24,8 +24,8 @@ from shardweave.fsdp._fsdp_api import (
     as_own_policies,
     torch_policy_types,
 )
-from shardweave.fsdp._fsdp_state import get_fsdp_state
 from shardweave.fsdp._torch_interop import managed_by_torch
+from shardweave.fsdp.core._state import get_fsdp_state
 from shardweave.mesh import (
     ArgumentTypeError,
     DataParallelMeshDims,

@@ -23,23 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from shardweave.fsdp import _trace
-from shardweave.fsdp._all_gather import (
-    AllGatherResult,
-    CopyOutViews,
-    all_gather_copy_in,
-    all_gather_copy_out,
-    copy_in_dtype,
-)
-from shardweave.fsdp._comm import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-    ProcessGroupAllocAllGather,
-    ProcessGroupAllocReduceScatter,
-    SymmMemAllGather,
-    SymmMemReduceScatter,
-    release_finished_buffer,
-)
 from shardweave.fsdp._fsdp_api import (
     AllGather,
     CPUOffloadPolicy,
@@ -57,16 +40,34 @@ from shardweave.fsdp._fsdp_common import (
     replace_grad_tensors,
     run_eagerly,
 )
-from shardweave.fsdp._fsdp_param import FSDPParam, ParamModuleInfo
-from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
-from shardweave.fsdp._reduction import GradientReduction, ReductionSchedule
-from shardweave.fsdp._seam import InFlight, issue
 from shardweave.fsdp._sharding_rules import group_reduce_dtype
-from shardweave.fsdp._spmd_types import outside_typecheck, register_local_function
 from shardweave.fsdp._torch_compat import (
     REDUCE_DTYPE_FOLLOWS_GRAD_DTYPE,
     RESET_ITER_STATE_DROPS_SHARDED_GRADS,
 )
+from shardweave.fsdp.comm._all_gather import (
+    AllGatherResult,
+    CopyIn,
+    CopyOutViews,
+    all_gather_copy_in,
+    all_gather_copy_out,
+    copy_in_dtype,
+)
+from shardweave.fsdp.comm._collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
+    SymmMemAllGather,
+    SymmMemReduceScatter,
+    release_finished_buffer,
+)
+from shardweave.fsdp.comm._reduction import GradientReduction, ReductionSchedule
+from shardweave.fsdp.comm._seam import InFlight, issue
+from shardweave.fsdp.comm._streams import CommStreams, wait_event
+from shardweave.fsdp.core._param import FSDPParam, ParamModuleInfo
+from shardweave.fsdp.core._spmd_types import outside_typecheck, register_local_function
+from shardweave.fsdp.tracing import _recorder
 from shardweave.mesh import DataParallelMeshInfo, DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 
 __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
@@ -75,7 +76,7 @@ __all__ = ["FSDPCommContext", "FSDPParamGroup", "param_module_infos"]
 class FSDPCommContext:
     """Communication state shared by every group under one root: its streams, the buffers
     other streams still read, and the gradient reductions in flight (see Design note: stream
-    ordering in ``_fsdp_streams``)."""
+    ordering in ``comm/_streams``)."""
 
     def __init__(self) -> None:
         # Groups in post-forward order, with repetition: the implicit backward prefetch target
@@ -161,6 +162,7 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy
         offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.offload_policy = offload_policy
+        pin = offload and getattr(offload_policy, "pin_memory", False)
         infos = param_module_infos(params, modules)
         # ``param_dtype_override_fn`` is asked once per parameter, here (at fully_shard time,
         # as torch 2.15 does), before any parameter is replaced: a bad answer raises on every
@@ -168,14 +170,7 @@ class FSDPParamGroup:
         param_policies = [mp_policy.for_param(param) for param in params]
         self.fsdp_params = [
             FSDPParam(
-                param,
-                info,
-                mesh_info,
-                post_forward_mesh_info,
-                device,
-                placement,
-                offload,
-                offload and getattr(offload_policy, "pin_memory", False),
+                param, info, mesh_info, post_forward_mesh_info, device, placement, offload, pin
             )
             for param, info, placement in zip(params, infos, shard_placements, strict=True)
         ]
@@ -448,8 +443,8 @@ class FSDPParamGroup:
             self.post_forward_mesh_info if post_forward else self.mesh_info
         )
         assert info is not None
-        if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
-            _trace.ACTIVE.unshard_begin(self.trace_key)
+        if _recorder.ACTIVE is not None:  # see Design note: tracing hooks (tracing/_recorder)
+            _recorder.ACTIVE.unshard_begin(self.trace_key)
         world, rank = (
             (info.shard_mesh_size, info.shard_mesh_rank)
             if isinstance(info, FSDPMeshInfo)
@@ -458,7 +453,6 @@ class FSDPParamGroup:
         if world == 1 and self._unshards_from_shards(post_forward):
             self._unshard_from_shards()
             return
-        streams = self.comm_ctx.streams(self.device)
         copy_in_stream, all_gather_stream = self._all_gather_streams(async_op)
         # Point 4: a post-forward reshard wrote the shards the all-gather streams read. The
         # previous forward copy-out is not waited for here but after this group's own copy-out
@@ -466,32 +460,12 @@ class FSDPParamGroup:
         event, self._reshard_after_forward_event = self._reshard_after_forward_event, None
         wait_event(copy_in_stream, event)
         wait_event(all_gather_stream, event)
-        gathers = world > 1
-        slots: list[torch.Tensor] = []  # the all-gather output, when the copy-in allocated it
-
-        def into(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            # On the copy-in stream, as torch's FSDP2: both all-gather streams wait for the
-            # copy-out before either reuses memory (point 3).
-            output = self._all_gather_comm.allocate(
-                (world * numel,), dtype=dtype, device=self.device
-            )
-            slots.append(output)
-            return output.narrow(0, rank * numel, numel)
-
-        with streams.use(copy_in_stream):
-            inp, sizes, as_bytes, gathered_dtype = all_gather_copy_in(
-                self.fsdp_params, self._copy_in_dtype, self.device, into if gathers else None
-            )
-        if _trace.ACTIVE is not None:
-            # The gathered bytes in the parameters' dtype (one rank per shard: the input may
-            # be the uncast shards, as the copy-out casts).
-            itemsize = gathered_dtype.itemsize
-            numel = inp.numel() if as_bytes or inp.dtype == gathered_dtype else sum(sizes)
-            _trace.ACTIVE.copy_in_end(self.trace_key, world * numel * itemsize)
-        # Read on another stream than its own (see the table in _fsdp_streams); a shard kept
+        copy_in, output = self._copy_in(world, rank, copy_in_stream)
+        inp, sizes, as_bytes = copy_in.input, copy_in.split_sizes, copy_in.as_bytes
+        # Read on another stream than its own (see the table in comm/_streams); a shard kept
         # with it costs nothing.
-        kept_input = None if slots else inp
-        if not gathers:
+        kept_input = None if output is not None else inp
+        if world == 1:
             # No collective: the copy-out reads the copy-in's result directly.
             done = InFlight(self._fqn, self.device, None, copy_in_stream.record_event())
             self._all_gather_result = AllGatherResult(
@@ -499,45 +473,95 @@ class FSDPParamGroup:
             )
             return
         assert isinstance(info, FSDPMeshInfo)
-        if slots:
-            output = slots[0]
-            all_gather_stream.wait_stream(copy_in_stream)
-        elif isinstance(self._all_gather_comm, SymmMemAllGather):
+        if output is None and isinstance(self._all_gather_comm, SymmMemAllGather):
             # In place, as the comm's peers address only the symmetric output: this rank's
             # input (its only parameter's shard, or a parameter kind's one input) is copied into
-            # its own slot of it.
-            with streams.use(copy_in_stream):
-                slot = into(inp.numel(), inp.dtype)
-                slot.copy_(inp)
-            output, inp, kept_input = slots[0], slot, None
-            all_gather_stream.wait_stream(copy_in_stream)
-        else:
-            all_gather_stream.wait_stream(copy_in_stream)
-            with streams.use(all_gather_stream):
+            # its own slot of it, on the copy-in stream.
+            output, inp = self._copy_into_own_slot(inp, world, rank, copy_in_stream)
+            kept_input = None
+        all_gather_stream.wait_stream(copy_in_stream)
+        if output is None:
+            with self.comm_ctx.streams(self.device).use(all_gather_stream):
                 output = self._all_gather_comm.allocate(
                     (world * inp.numel(),), dtype=inp.dtype, device=self.device
                 )
+        in_flight = self._issue_all_gather(inp, output, info, all_gather_stream, async_op)
+        self._all_gather_result = AllGatherResult(
+            output, in_flight, world, sizes, as_bytes, post_forward, kept_input
+        )
+
+    def _all_gather_output(
+        self, world: int, rank: int, numel: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new all-gather output for ``numel`` elements per rank, and this rank's slot."""
+        output = self._all_gather_comm.allocate((world * numel,), dtype=dtype, device=self.device)
+        return output, output.narrow(0, rank * numel, numel)
+
+    def _copy_in(
+        self, world: int, rank: int, copy_in_stream: Any
+    ) -> tuple[CopyIn, torch.Tensor | None]:
+        """This rank's all-gather input, built on ``copy_in_stream``, and the all-gather
+        output when the copy-in wrote into this rank's slot of it (else None)."""
+        slots: list[torch.Tensor] = []  # the all-gather output, when the copy-in allocated it
+
+        def into(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            # On the copy-in stream, as torch's FSDP2: both all-gather streams wait for the
+            # copy-out before either reuses memory (point 3).
+            output, slot = self._all_gather_output(world, rank, numel, dtype)
+            slots.append(output)
+            return slot
+
+        gather_into = into if world > 1 else None
+        with self.comm_ctx.streams(self.device).use(copy_in_stream):
+            copy_in = all_gather_copy_in(
+                self.fsdp_params, self._copy_in_dtype, self.device, gather_into
+            )
+        if _recorder.ACTIVE is not None:
+            # The gathered bytes in the parameters' dtype (one rank per shard: the input may
+            # be the uncast shards, as the copy-out casts).
+            inp, dtype = copy_in.input, copy_in.gathered_dtype
+            staged_in_dtype = copy_in.as_bytes or inp.dtype == dtype
+            numel = inp.numel() if staged_in_dtype else sum(copy_in.split_sizes)
+            _recorder.ACTIVE.copy_in_end(self.trace_key, world * numel * dtype.itemsize)
+        return copy_in, slots[0] if slots else None
+
+    def _copy_into_own_slot(
+        self, inp: torch.Tensor, world: int, rank: int, copy_in_stream: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new all-gather output with ``inp`` copied into this rank's slot on the copy-in
+        stream: (the output, the slot, which is the all-gather input from now on)."""
+        with self.comm_ctx.streams(self.device).use(copy_in_stream):
+            output, slot = self._all_gather_output(world, rank, inp.numel(), inp.dtype)
+            slot.copy_(inp)
+        return output, slot
+
+    def _issue_all_gather(
+        self,
+        inp: torch.Tensor,
+        output: torch.Tensor,
+        info: FSDPMeshInfo,
+        all_gather_stream: Any,
+        async_op: bool,
+    ) -> InFlight:
+        """Issue the all-gather of ``inp`` into ``output`` on ``all_gather_stream``. Never
+        waited here: the wait is at wait_for_unshard, so a prefetched all-gather overlaps
+        compute (on CPU too, where gloo runs collectives on its own threads)."""
         comm, pg = self._all_gather_comm, info.shard_process_group
 
         def launch(async_op: bool) -> dist.Work | None:
             return comm(output_tensor=output, input_tensor=inp, group=pg, async_op=async_op)
 
-        # Never waited here: the wait is at wait_for_unshard, so a prefetched all-gather
-        # overlaps compute (on CPU too, where gloo runs collectives on its own threads).
-        in_flight = issue(
+        return issue(
             CollectiveKind.ALL_GATHER,
             launch,
             group=pg,
             tensor=output,
             name=self._fqn,
             trace_key=lambda: self.trace_key,
-            streams=streams,
+            streams=self.comm_ctx.streams(self.device),
             stream=all_gather_stream,
             what=lambda: f"the all-gather of group '{self._fqn}'",
             host_wait=async_op,
-        )
-        self._all_gather_result = AllGatherResult(
-            output, in_flight, world, sizes, as_bytes, post_forward, kept_input
         )
 
     def _all_gather_streams(self, async_op: bool) -> tuple[Any, Any]:
@@ -559,14 +583,14 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is None:
             return
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.wait_begin(self.trace_key)
+        if _recorder.ACTIVE is not None:
+            _recorder.ACTIVE.wait_begin(self.trace_key)
         streams = self.comm_ctx.streams(self.device)
         current = streams.current()
         if result.in_flight is not None:
             result.in_flight.wait(streams, current)
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.all_gather_done(self.trace_key)
+        if _recorder.ACTIVE is not None:
+            _recorder.ACTIVE.all_gather_done(self.trace_key)
         self._all_gather_result = None
         if result.split_sizes:  # empty when the unsharded params alias the shards
             outputs = [p.alloc_all_gather_outputs() for p in self.fsdp_params]
@@ -601,8 +625,8 @@ class FSDPParamGroup:
             p.init_unsharded_param()
             p.to_unsharded()
         self._sharded_state = ShardedState.UNSHARDED
-        if _trace.ACTIVE is not None:
-            _trace.ACTIVE.unshard_end(self.trace_key)
+        if _recorder.ACTIVE is not None:
+            _recorder.ACTIVE.unshard_end(self.trace_key)
 
     @outside_typecheck
     def reshard(self) -> None:
@@ -619,8 +643,8 @@ class FSDPParamGroup:
             for p in self.fsdp_params:
                 p.to_sharded()
             self._sharded_state = ShardedState.SHARDED
-            if _trace.ACTIVE is not None:
-                _trace.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
+            if _recorder.ACTIVE is not None:
+                _recorder.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
 
     def _to_sharded_post_forward(self) -> None:
         if self._sharded_state == ShardedState.UNSHARDED:
@@ -630,8 +654,8 @@ class FSDPParamGroup:
             streams = self.comm_ctx.streams(self.device)
             self._reshard_after_forward_event = streams.current().record_event()
             self._sharded_state = ShardedState.SHARDED_POST_FORWARD
-            if _trace.ACTIVE is not None:
-                _trace.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
+            if _recorder.ACTIVE is not None:
+                _recorder.ACTIVE.reshard(self.trace_key, kept=self.keeps_unsharded_storage)
 
     def set_keep_unsharded_storage(self, keep: bool) -> None:
         """Keep (or free, the default) the unsharded storage at reshard; see Design note:
@@ -687,8 +711,8 @@ class FSDPParamGroup:
     @outside_typecheck
     def post_backward(self) -> None:
         """Reshard and reduce this group's gradients (idempotent for unused groups)."""
-        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
-            return _trace.ACTIVE.time_hook("post_backward", self.trace_key, self.post_backward)
+        if _recorder.ACTIVE is not None and _recorder.ACTIVE.hook_depth == 0:
+            return _recorder.ACTIVE.time_hook("post_backward", self.trace_key, self.post_backward)
         self._training_state = TrainingState.POST_BACKWARD
         for p in self.fsdp_params:
             p.accumulate_unsharded_grad_if_needed()
@@ -732,9 +756,9 @@ class FSDPParamGroup:
         self._reducing_layout = tuple(with_grad)
         streams = self.comm_ctx.streams(self.device)
         traced_bytes = 0
-        if _trace.ACTIVE is not None:
+        if _recorder.ACTIVE is not None:
             traced_bytes = sum(g.numel() * g.element_size() for g in grads)
-            _trace.ACTIVE.grads_taken(self.trace_key, traced_bytes)
+            _recorder.ACTIVE.grads_taken(self.trace_key, traced_bytes)
         reduction = GradientReduction(
             with_grad,
             grads,
@@ -787,9 +811,9 @@ class FSDPParamGroup:
             return
         sources = [p.sharded_param_data for p in params]
         sizes = [s.numel() for s in sources]
-        if _trace.ACTIVE is not None:
+        if _recorder.ACTIVE is not None:
             itemsize = params[0].unsharded_dtype.itemsize
-            _trace.ACTIVE.copy_in_end(self.trace_key, sum(sizes) * itemsize)
+            _recorder.ACTIVE.copy_in_end(self.trace_key, sum(sizes) * itemsize)
         self._all_gather_result = AllGatherResult(
             None, None, 1, sizes, False, False, sources=sources
         )
@@ -820,8 +844,8 @@ class FSDPParamGroup:
                 # Point 3: dropping the buffers lets the all-gather streams reuse them.
                 streams.all_gather_waits(current.record_event())
             self._all_gather_result = None
-            if _trace.ACTIVE is not None:
-                _trace.ACTIVE.discard_unshard(self.trace_key)
+            if _recorder.ACTIVE is not None:
+                _recorder.ACTIVE.discard_unshard(self.trace_key)
         self._post_forward_indices.clear()
 
     def reset_iter_state(self) -> None:
@@ -829,8 +853,8 @@ class FSDPParamGroup:
         result = self._all_gather_result
         if result is not None and result.in_flight is not None:
             result.in_flight.abandon()
-        if result is not None and _trace.ACTIVE is not None:
-            _trace.ACTIVE.discard_unshard(self.trace_key)
+        if result is not None and _recorder.ACTIVE is not None:
+            _recorder.ACTIVE.discard_unshard(self.trace_key)
         self._all_gather_result = None
         self._partial_reduce_output = None
         self._partial_layout = ()
@@ -919,8 +943,8 @@ class FSDPParamGroup:
 
     @property
     def trace_key(self) -> str:
-        """The tracer's key for this group (see Design note: traced quantities, ``_trace``)."""
-        return _trace.group_key(self._fqn, self._param_group_index, self._num_param_groups)
+        """The tracer's key for this group (see Design note: traced quantities, ``tracing/_recorder``)."""
+        return _recorder.group_key(self._fqn, self._param_group_index, self._num_param_groups)
 
     def consistency_lines(self, index: int) -> list[str]:
         """What every rank must agree on about this group, one fact per line (the root's

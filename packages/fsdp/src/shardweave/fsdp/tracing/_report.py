@@ -1,21 +1,44 @@
-"""The FSDP tracer's reporting half: ``FSDPTracer`` renders what ``TraceRecorder`` (``_trace``)
+"""The FSDP tracer's reporting half: ``FSDPTracer`` renders what ``TraceRecorder`` (``_recorder``)
 recorded as a summary dict, a table, a Chrome trace and a memory plot. The engine never imports
-this module; see Design note: traced quantities (``_trace``) for what every number means.
+this module; see Design note: traced quantities (``_recorder``) for what every number means.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
 from shardweave.fsdp._fsdp_common import CollectiveKind
-from shardweave.fsdp._trace import TraceRecorder
+from shardweave.fsdp.tracing._recorder import TraceRecorder
 
-__all__ = ["FSDPTracer", "trace"]
+__all__ = ["GATHERED_LABEL", "FSDPTracer", "trace"]
 
 _PLOT_INSTALL: Final = "pip install 'shardweave-fsdp[plot]'"
+# The memory plot's and the Chrome trace's name for the gathered bytes alive: each all-gather's
+# output from its issue to its group's reshard, a prefetch still in flight included. Not the
+# planner's "gathered params", which start at the copy-out (it files the output in flight under
+# communication buffers); see Design note: traced quantities (``_recorder``).
+GATHERED_LABEL: Final = "all-gathered (issue to reshard)"
+
+
+def _group_stats() -> dict[str, Any]:
+    """A group's entry of the summary, before anything is counted."""
+    return {
+        "unshard": 0,
+        "reshard": 0,
+        **{
+            k: {"count": 0, "bytes": 0, "time_ms": 0.0, "exposed_ms": 0.0, "unwaited": 0}
+            for k in (kind.value for kind in CollectiveKind)
+        },
+        "copy_in_ms": 0.0,
+        "copy_out_ms": 0.0,
+        "unshard_ms": 0.0,
+        "hooks": {},
+        "peak_gathered_bytes": 0,
+    }
 
 
 class FSDPTracer(TraceRecorder):
@@ -24,7 +47,7 @@ class FSDPTracer(TraceRecorder):
     Use it as a context manager (or ``start()`` / ``stop()``) around training steps, and call
     ``step()`` after each optimizer step to delimit steps. Only this process is traced: each
     rank records its own trace (``pid`` = rank in the Chrome export). See Design note: traced
-    quantities (``_trace``) for what every number means.
+    quantities (``_recorder``) for what every number means.
 
     Example::
 
@@ -76,37 +99,26 @@ class FSDPTracer(TraceRecorder):
         }
 
     def _summarize(self, step: int | None) -> dict[str, Any]:
+        """The summary over all steps (``step`` None) or of one step: per group, then totals
+        and the memory peaks."""
         groups: dict[str, dict[str, Any]] = {}
 
         def entry(key: str) -> dict[str, Any]:
             if key not in groups:
-                groups[key] = {
-                    "unshard": 0,
-                    "reshard": 0,
-                    **{
-                        k: {
-                            "count": 0,
-                            "bytes": 0,
-                            "time_ms": 0.0,
-                            "exposed_ms": 0.0,
-                            "unwaited": 0,
-                        }
-                        for k in (kind.value for kind in CollectiveKind)
-                    },
-                    "copy_in_ms": 0.0,
-                    "copy_out_ms": 0.0,
-                    "unshard_ms": 0.0,
-                    "hooks": {},
-                    "peak_gathered_bytes": 0,
-                }
+                groups[key] = _group_stats()
             return groups[key]
 
-        def mine(record_step: int) -> bool:
-            return step is None or record_step == step
+        totals = self._count_collectives(step, entry)
+        self._count_spans(step, entry)
+        return {"groups": groups, "collectives": totals, **self._replay_memory(step, entry)}
 
+    def _count_collectives(
+        self, step: int | None, entry: Callable[[str], dict[str, Any]]
+    ) -> dict[str, dict[str, int]]:
+        """Count each collective of ``step`` into its group's entry; the totals per kind."""
         totals = {k.value: {"count": 0, "bytes": 0} for k in CollectiveKind}
         for c in self.collectives:
-            if not mine(c.step):
+            if step is not None and c.step != step:
                 continue
             stats = entry(c.group)[c.kind]
             stats["count"] += 1
@@ -118,8 +130,12 @@ class FSDPTracer(TraceRecorder):
             else:
                 stats["time_ms"] += c.duration_ns / 1e6
                 stats["exposed_ms"] += (c.exposed_ns or 0) / 1e6
+        return totals
+
+    def _count_spans(self, step: int | None, entry: Callable[[str], dict[str, Any]]) -> None:
+        """Add each span of ``step`` (hooks, copy-in, copy-out, unshard) to its group's entry."""
         for s in self.spans:
-            if not mine(s.step):
+            if step is not None and s.step != step:
                 continue
             g = entry(s.group)
             ms = (s.end_ns - s.begin_ns) / 1e6
@@ -130,8 +146,13 @@ class FSDPTracer(TraceRecorder):
                 hook["cpu_ms"] += (s.cpu_ns or 0) / 1e6
             elif s.category in ("copy_in", "copy_out", "unshard"):
                 g[f"{s.category}_ms"] += ms
-        # Replay the counters up to the end of the step; the level carried into the step
-        # counts toward its peaks.
+
+    def _replay_memory(
+        self, step: int | None, entry: Callable[[str], dict[str, Any]]
+    ) -> dict[str, int]:
+        """Replay the memory counters up to the end of ``step``: the unshard / reshard counts
+        and peak gathered bytes of each group, and the step's peaks and end levels. The level
+        carried into the step counts toward its peaks."""
         live: dict[str, int] = {}
         gathered = grads = peak_gathered = peak_grads = 0
         carried = step is None
@@ -146,7 +167,7 @@ class FSDPTracer(TraceRecorder):
         for r in self.memory:
             if step is not None and r.step > step:
                 break
-            in_step = mine(r.step)
+            in_step = step is None or r.step == step
             if in_step and not carried:
                 carry_in()
                 carried = True
@@ -163,8 +184,6 @@ class FSDPTracer(TraceRecorder):
         if not carried:
             carry_in()
         return {
-            "groups": groups,
-            "collectives": totals,
             "peak_gathered_bytes": peak_gathered,
             "peak_grad_bytes": peak_grads,
             "end_gathered_bytes": gathered,
@@ -251,7 +270,7 @@ class FSDPTracer(TraceRecorder):
             if c.exposed_ns is not None:
                 args["exposed_us"] = c.exposed_ns / 1e3
             lanes.complete(c.kind, f"{c.kind} {c.group}", c.kind, c.issue_ns, c.complete_ns, args)
-        for name in ("gathered params", "unsharded grads"):
+        for name in (GATHERED_LABEL, "unsharded grads"):
             events.append({"name": name, "ph": "C", "ts": 0.0, "pid": pid, "args": {"bytes": 0}})
         for r in self.memory:
             ts = r.t_ns / 1e3
@@ -271,7 +290,7 @@ class FSDPTracer(TraceRecorder):
             gathered = r.event in ("unshard", "reshard", "discard")
             events.append(
                 {
-                    "name": "gathered params" if gathered else "unsharded grads",
+                    "name": GATHERED_LABEL if gathered else "unsharded grads",
                     "ph": "C",
                     "ts": ts,
                     "pid": pid,
@@ -292,7 +311,8 @@ class FSDPTracer(TraceRecorder):
         return out
 
     def plot_memory(self, path: str | Path) -> Path:
-        """Draw gathered-parameter and unsharded-gradient bytes alive over time as a PNG.
+        """Draw the gathered bytes alive (labelled ``GATHERED_LABEL``: each all-gather from its
+        issue to its reshard) and the unsharded-gradient bytes alive over time as a PNG.
 
         Needs matplotlib: ``pip install 'shardweave-fsdp[plot]'``. ``{rank}`` in ``path`` is
         replaced by the rank. Returns the path.
@@ -309,7 +329,7 @@ class FSDPTracer(TraceRecorder):
         fig = figure.Figure(figsize=(10, 4))
         ax = fig.add_subplot()
         for label, series in (
-            ("gathered params", self.gathered_bytes_timeline()),
+            (GATHERED_LABEL, self.gathered_bytes_timeline()),
             ("unsharded grads", self.grad_bytes_timeline()),
         ):
             ax.step(

@@ -21,16 +21,16 @@ from shardweave.fsdp._fsdp_common import (
     free_storage,
     own_storage,
 )
-from shardweave.fsdp._fsdp_subclass_gather import detect_subclass_all_gather
-from shardweave.fsdp._param_handler import resolve_param_handler
 from shardweave.fsdp._sharding_rules import (
     grad_made_in,
     padded_shard_size,
     resolve_dtypes,
     shard_size,
 )
-from shardweave.fsdp._spmd_types import SpmdTypesHandler, as_storage_param
 from shardweave.fsdp._torch_compat import has_grad_dtype_override
+from shardweave.fsdp.core._param_handler import resolve_param_handler
+from shardweave.fsdp.core._spmd_types import SpmdTypesHandler, as_storage_param
+from shardweave.fsdp.core._subclass_gather import detect_subclass_all_gather
 from shardweave.mesh import FSDPMeshInfo
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class FSDPParam:
     It owns the lifecycle; what differs between parameter kinds it asks of two objects, with
     no branch per kind here: its ``ParamHandler`` (see ``_param_handler``: plain tensors, a
     plugin's DTensor, a user's kind) and its all-gather strategy (flat, or a tensor
-    subclass's own: see ``_fsdp_subclass_gather``).
+    subclass's own: see ``_subclass_gather``).
 
     Design note: storage resize
         The unsharded parameter is created once, as a view of its all-gather output buffer.
@@ -143,7 +143,7 @@ class FSDPParam:
         cost of holding the unsharded parameters between uses. Only the copy-out writes that
         storage, on the compute stream, which already ran every earlier reader of it (forward
         and backward ops, the post-forward clone): no wait is added for it (see Design note:
-        stream ordering, ``_fsdp_streams``, the kept unsharded storage row).
+        stream ordering, ``comm/_streams``, the kept unsharded storage row).
 
     Design note: tied after fully_shard
         A framework may tie a weight *after* sharding (transformers builds untied, shards, loads,
@@ -239,43 +239,8 @@ class FSDPParam:
         data = self._handler.local_tensor(param)
         self._template = self._handler.template(param, self.mesh_info)
         self.may_reduce_grad_outside_dp = self._handler.may_reduce_grad_outside_dp(self._template)
-        if param.ndim == 0:
-            raise ValueError(
-                f"fully_shard does not support 0-dim parameters: '{self.param_fqn}' has shape (). "
-                f"Change {self._module_info.param_name} to a 1D tensor with numel equal to 1."
-            )
-        if param.device != self.device and param.device.type != "meta":
-            raise AssertionError(
-                f"fully_shard: expected '{self.param_fqn}' on {self.device} but it is on "
-                f"{param.device}"
-            )
-        if not data.is_contiguous():
-            # starts with torch 2.13's sentence, which users and torch's tests match on
-            raise NotImplementedError(
-                "FSDP does not support non-contiguous parameters yet: "
-                f"param.shape={param.shape} param.stride()={param.stride()}; fully_shard "
-                f"needs '{self.param_fqn}' contiguous (it is e.g. channels_last): call "
-                "module.to(memory_format=torch.contiguous_format) first"
-            )
-        shard_dim = 0 if placement is None else placement.dim
-        if shard_dim < 0:
-            shard_dim += data.ndim
-        if not 0 <= shard_dim < data.ndim:
-            raise AssertionError(
-                f"Shard dim {shard_dim} is invalid for {data.ndim}D tensor '{self.param_fqn}'"
-            )
+        shard_dim = self._checked_shard_dim(param, data, placement)
         world, rank = self.shard_world_size, self.shard_rank
-        if shard_dim > 0 and data.numel() == 0:
-            raise NotImplementedError(
-                f"fully_shard cannot shard the empty parameter '{self.param_fqn}' (shape "
-                f"{tuple(data.shape)}) on dim {shard_dim}; shard it on dim 0 (the default)"
-            )
-        if shard_dim > 0 and data.size(shard_dim) % world != 0:
-            raise NotImplementedError(
-                f"fully_shard does not support uneven sharding on dim {shard_dim}: "
-                f"'{self.param_fqn}' has size {data.size(shard_dim)} there and the shard group "
-                f"has {world} ranks; shard on dim 0 or pick a dim divisible by {world}"
-            )
         self.shard_dim = shard_dim
         self.fsdp_placement = Shard(shard_dim)
         self.orig_size = data.size()  # what is gathered: the TP-local size for a DTensor
@@ -312,6 +277,50 @@ class FSDPParam:
         self._apply_grad_dtype(sharded)
         self._setattr_on_modules(sharded)
         self._installed_local: torch.Tensor = _local_tensor(sharded)
+
+    def _checked_shard_dim(
+        self, param: nn.Parameter, data: torch.Tensor, placement: Shard | None
+    ) -> int:
+        """The dim of ``data`` (the handler's local tensor) to shard, once ``param`` is known to
+        be one FSDP can shard there; else torch's error, naming the parameter and the remedy."""
+        if param.ndim == 0:
+            raise ValueError(
+                f"fully_shard does not support 0-dim parameters: '{self.param_fqn}' has shape (). "
+                f"Change {self._module_info.param_name} to a 1D tensor with numel equal to 1."
+            )
+        if param.device != self.device and param.device.type != "meta":
+            raise AssertionError(
+                f"fully_shard: expected '{self.param_fqn}' on {self.device} but it is on "
+                f"{param.device}"
+            )
+        if not data.is_contiguous():
+            # starts with torch 2.13's sentence, which users and torch's tests match on
+            raise NotImplementedError(
+                "FSDP does not support non-contiguous parameters yet: "
+                f"param.shape={param.shape} param.stride()={param.stride()}; fully_shard "
+                f"needs '{self.param_fqn}' contiguous (it is e.g. channels_last): call "
+                "module.to(memory_format=torch.contiguous_format) first"
+            )
+        shard_dim = 0 if placement is None else placement.dim
+        if shard_dim < 0:
+            shard_dim += data.ndim
+        if not 0 <= shard_dim < data.ndim:
+            raise AssertionError(
+                f"Shard dim {shard_dim} is invalid for {data.ndim}D tensor '{self.param_fqn}'"
+            )
+        world = self.shard_world_size
+        if shard_dim > 0 and data.numel() == 0:
+            raise NotImplementedError(
+                f"fully_shard cannot shard the empty parameter '{self.param_fqn}' (shape "
+                f"{tuple(data.shape)}) on dim {shard_dim}; shard it on dim 0 (the default)"
+            )
+        if shard_dim > 0 and data.size(shard_dim) % world != 0:
+            raise NotImplementedError(
+                f"fully_shard does not support uneven sharding on dim {shard_dim}: "
+                f"'{self.param_fqn}' has size {data.size(shard_dim)} there and the shard group "
+                f"has {world} ranks; shard on dim 0 or pick a dim divisible by {world}"
+            )
+        return shard_dim
 
     # --- an explicit grad_dtype (torch 2.15) ----------------------------------------------------
     def _capture_grad_dtype(self, param: torch.Tensor) -> None:

@@ -4,7 +4,9 @@ collective is waited and its buffers retired (``ReductionSchedule``), side by si
 
 The param group decides *that* its gradients are reduced (at its post-backward); this
 module decides how and when, and the planner (``plan/_schedule``) reads the schedule's
-rules from here. See Design note: stream ordering (``_fsdp_streams``), points 5-8.
+rules from here. See Design note: stream ordering (``_streams``), points 5-8. A
+parameter is known here only through ``ReducedParam``, what the reduction reads and sets of
+it; the engine's ``FSDPParam`` is one.
 
 Design note: one reduction pipeline, buckets as a variant
     FSDP, HSDP and replicate, on every device, reduce through ``GradientReduction``: copy-in
@@ -29,24 +31,24 @@ import operator
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _trace
-from shardweave.fsdp._comm import ReduceOpLike, collectives_for, release_finished_buffer
 from shardweave.fsdp._fsdp_api import ReduceScatter
 from shardweave.fsdp._fsdp_common import CollectiveKind
-from shardweave.fsdp._fsdp_param import FSDPParam
-from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
-from shardweave.fsdp._seam import InFlight, issue
+from shardweave.fsdp.comm._collectives import ReduceOpLike, collectives_for, release_finished_buffer
+from shardweave.fsdp.comm._seam import InFlight, issue
+from shardweave.fsdp.comm._streams import CommStreams, wait_event
+from shardweave.fsdp.tracing import _recorder
 
 __all__ = [
     "BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
     "GradSource",
     "GradientReduction",
+    "ReducedParam",
     "ReductionSchedule",
     "gradient_divide_factors",
     "reduce_scatters_to_retire",
@@ -109,12 +111,28 @@ def _div_(tensor: torch.Tensor, factor: float | None) -> None:
         tensor.div_(factor)
 
 
+class ReducedParam(Protocol):
+    """What a reduction reads and sets of one parameter; ``FSDPParam`` is one. (Declared here,
+    where it is read: the engine core imports this module, not the other way round.)"""
+
+    @property
+    def param_fqn(self) -> str: ...  # for errors
+    @property
+    def padded_sharded_numel(self) -> int: ...  # its slot in the reduced output
+    @property
+    def sharded_grad_dtype(self) -> torch.dtype: ...  # the dtype its sharded gradient is in
+
+    def grad_for_reduce_scatter(self, grad: torch.Tensor, world_size: int) -> torch.Tensor: ...
+
+    def assign_sharded_grad(self, reduce_output: torch.Tensor, offset: int) -> bool: ...
+
+
 @dataclass
 class GradSource:
     """One group's share of a reduction: its parameters with gradients, the gradients (emptied
     once copied in), the dtype they are handed back in, and its names."""
 
-    params: list[FSDPParam]
+    params: list[ReducedParam]
     grads: list[torch.Tensor]
     orig_dtype: torch.dtype | None  # None: each parameter's own ``sharded_grad_dtype``
     name: str  # the group's module FQN, for errors and the watchdog
@@ -145,7 +163,7 @@ class GradientReduction:
 
     def __init__(
         self,
-        fsdp_params: Sequence[FSDPParam],
+        fsdp_params: Sequence[ReducedParam],
         grads: list[torch.Tensor],
         *,
         reduce_scatter_group: dist.ProcessGroup | None,
@@ -157,7 +175,7 @@ class GradientReduction:
         all_reduce_group: dist.ProcessGroup | None,
         all_reduce_grads: bool,
         partial_reduce_output: torch.Tensor | None,
-        partial_params: Sequence[FSDPParam],
+        partial_params: Sequence[ReducedParam],
         all_reduce_hook: Callable[[torch.Tensor], None] | None,
         all_reduce_hook_stream: Any,
         force_sum: bool,
@@ -315,18 +333,65 @@ class GradientReduction:
         )
 
     def _run(self) -> Generator[tuple[InFlight, Any], None, torch.Tensor | None]:
-        streams, rdtype = self._streams, self._rdtype
+        """The steps of one reduction, pausing at each collective: copy-in and reduce-scatter,
+        then (HSDP, replicate) the all-reduce, the hook, and the sharded gradients. Returns the
+        kept partial sum when HSDP accumulates without the all-reduce."""
+        streams = self._streams
         rs_group, ar_group = self._rs_group, self._ar_group
         world = rs_group.size() if rs_group is not None else 1
         ar_size = ar_group.size() if ar_group is not None else 1
         if self._divide_factor is None:
-            factors = _default_divide_factors(world, ar_size, rdtype, self._force_sum)
+            factors = _default_divide_factors(world, ar_size, self._rdtype, self._force_sum)
         else:
             factors = gradient_divide_factors(
-                world, ar_size, rdtype, self._divide_factor, self._force_sum
+                world, ar_size, self._rdtype, self._divide_factor, self._force_sum
             )
         pre, post, rs_op, ar_op = factors
-        sources = self._sources
+        current = streams.current()
+        rs_input = self._copy_in(world)
+        rs_stream = post_stream = streams.reduce_scatter
+        rs_stream.wait_stream(current)  # point 5: the gradients were laid out on ``current``
+        output = yield from self._reduce_scatter(rs_input, world, pre, post, rs_op)
+        # Read in full: from here only ``reduce_scatter_input`` keeps it, until the schedule
+        # retires this reduce-scatter (point 6). A reference held here would keep it through
+        # the all-reduce on CPU, where this sequence pauses there.
+        del rs_input
+        if ar_group is not None:
+            with streams.use(rs_stream):
+                partial = self._partial_in_this_layout()
+                if not self._all_reduce_grads:
+                    # HSDP accumulation: keep the partial sum for the synchronized microbatch.
+                    if partial is not None:
+                        partial += output
+                        output = partial
+                    self.post_reduce_event = rs_stream.record_event()
+                    return output
+                if partial is not None:
+                    output += partial
+            post_stream = streams.all_reduce
+            post_stream.wait_stream(rs_stream)
+            yield from self._all_reduce(output, ar_group, ar_op)
+        if self._hook is not None:
+            hook_stream = self._hook_stream or streams.all_reduce
+            hook_stream.wait_stream(post_stream)
+            with streams.use(hook_stream):
+                self._hook(output)
+            post_stream = hook_stream
+        if post_stream is not rs_stream:
+            self.all_reduce_buffer = output  # point 8
+        with streams.use(post_stream):
+            _div_(output, post)
+            offloaded = self._assign_sharded_grads(output)
+            self.post_reduce_event = post_stream.record_event()
+            if offloaded:  # the same event orders the non-blocking device-to-host copies
+                self.offload_event = self.post_reduce_event
+        return None
+
+    def _copy_in(self, world: int) -> torch.Tensor:
+        """The reduce-scatter input (1D, rank-major) filled from every source's gradients on
+        the current stream; the gradients are released, and the input kept as
+        ``reduce_scatter_input`` (point 6)."""
+        rdtype, sources = self._rdtype, self._sources
         laid_out = [
             p.grad_for_reduce_scatter(g, world)
             for s in sources
@@ -336,8 +401,7 @@ class GradientReduction:
             # _chunk_cat takes one input dtype: cast the others first (exact for the widening
             # casts a mixed group has, so the values are those of a cast inside the copy-in)
             laid_out = [g if g.dtype == rdtype else g.to(rdtype) for g in laid_out]
-        out_numel = sum(p.padded_sharded_numel for s in sources for p in s.params)
-        current = streams.current()
+        out_numel = _numel([p for s in sources for p in s.params])
         rs_input = self._rs_comm.allocate((world * out_numel,), dtype=rdtype, device=self._device)
         # One kernel, on the current stream (where the gradients were computed): chunk every
         # grad into `world` dim-0 pieces (zero padded), cast, and lay rank i's pieces side by
@@ -346,13 +410,26 @@ class GradientReduction:
         for source in sources:
             source.grads.clear()  # the unsharded grads can be freed now: the copy-in read them
         del laid_out
-        if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
+        if _recorder.ACTIVE is not None:  # see Design note: tracing hooks (tracing/_recorder)
             for source in sources:
                 if source.traced_bytes:
-                    _trace.ACTIVE.grads_reduced(source.key(), source.traced_bytes)
+                    _recorder.ACTIVE.grads_reduced(source.key(), source.traced_bytes)
         self.reduce_scatter_input = rs_input
+        return rs_input
+
+    def _reduce_scatter(
+        self,
+        rs_input: torch.Tensor,
+        world: int,
+        pre: float | None,
+        post: float | None,
+        rs_op: ReduceOpLike,
+    ) -> Generator[tuple[InFlight, Any], None, torch.Tensor]:
+        """Reduce-scatter ``rs_input`` on the reduce-scatter stream (with one rank, a copy or
+        one division); returns the reduced shard, the reduce-scatter stream's own block."""
+        streams, rdtype = self._streams, self._rdtype
         rs_stream = streams.reduce_scatter
-        rs_stream.wait_stream(current)
+        out_numel = rs_input.numel() // world
         # With one rank and only the divide factor to apply, the "reduce-scatter" is one
         # out-of-place division, none for a factor of 1 (as torch 2.15's FSDP2 divides there:
         # one ``div``, which its tests count). Difference from torch: torch also applies the
@@ -371,8 +448,8 @@ class GradientReduction:
             else:
                 output = self._rs_comm.allocate((out_numel,), dtype=rdtype, device=self._device)
         if world > 1:
-            assert rs_group is not None
-            in_flight = self._issue_reduce_scatter(rs_input, output, rs_group, rs_op)
+            assert self._rs_group is not None
+            in_flight = self._issue_reduce_scatter(rs_input, output, self._rs_group, rs_op)
             self.reduce_scatter_event = in_flight.event
             yield in_flight, rs_stream
             self.reduce_scatter_finished_on_host = in_flight.finished_on_host
@@ -381,75 +458,53 @@ class GradientReduction:
                 with streams.use(rs_stream):
                     output.copy_(rs_input)
             self.reduce_scatter_event = rs_stream.record_event()
-        # Read in full: from here only ``reduce_scatter_input`` keeps it, until the schedule
-        # retires this reduce-scatter (point 6). A reference held here would keep it through
-        # the all-reduce on CPU, where this sequence pauses there.
-        del rs_input
-        post_stream = rs_stream
-        if ar_group is not None:
-            with streams.use(rs_stream):
-                partial = self._partial_in_this_layout()
-                if not self._all_reduce_grads:
-                    # HSDP accumulation: keep the partial sum for the synchronized microbatch.
-                    if partial is not None:
-                        partial += output
-                        output = partial
-                    self.post_reduce_event = rs_stream.record_event()
-                    return output
-                if partial is not None:
-                    output += partial
-            ar_stream = streams.all_reduce
-            ar_stream.wait_stream(rs_stream)
-            reduced = output
-            in_flight = issue(
-                CollectiveKind.ALL_REDUCE,
-                lambda async_op: collectives_for(self._device).all_reduce(
-                    reduced, ar_group, op=ar_op, async_op=async_op
-                ),
-                group=ar_group,
-                tensor=reduced,
-                name=self._name,
-                trace_key=self._trace_key,
-                streams=streams,
-                stream=ar_stream,
-                what=lambda: self._what("all-reduce"),
-            )
-            yield in_flight, ar_stream
-            post_stream = ar_stream
-        if self._hook is not None:
-            hook_stream = self._hook_stream or streams.all_reduce
-            hook_stream.wait_stream(post_stream)
-            with streams.use(hook_stream):
-                self._hook(output)
-            post_stream = hook_stream
-        if post_stream is not rs_stream:
-            self.all_reduce_buffer = output  # point 8
-        with streams.use(post_stream):
-            _div_(output, post)
-            offset = 0
-            offloaded = False
-            # Each parameter views its slot by offset (no narrow per parameter); a cast makes
-            # a new buffer of one run's slots only. Views of an uncast run keep the whole
-            # output alive, the cast runs' slots with it: where those are the larger part the
-            # uncast runs are copied instead, as torch 2.15 does.
-            runs = [(params, dtype, _numel(params)) for params, dtype in _cast_runs(sources)]
-            cast = sum(numel for _, dtype, numel in runs if dtype != output.dtype)
-            copy_uncast = 2 * cast > sum(numel for *_, numel in runs)
-            for params, dtype, size in runs:
-                out, start = output, offset
-                if out.dtype != dtype:
-                    out, start = output.narrow(0, offset, size).to(dtype), 0
-                elif copy_uncast:
-                    out, start = output.narrow(0, offset, size).clone(), 0
-                inner = start
-                for fsdp_param in params:
-                    offloaded |= fsdp_param.assign_sharded_grad(out, inner)
-                    inner += fsdp_param.padded_sharded_numel
-                offset += inner - start
-            self.post_reduce_event = post_stream.record_event()
-            if offloaded:  # the same event orders the non-blocking device-to-host copies
-                self.offload_event = self.post_reduce_event
-        return None
+        return output  # this frame, and its reference to the input, ends here
+
+    def _all_reduce(
+        self, reduced: torch.Tensor, group: dist.ProcessGroup, op: ReduceOpLike
+    ) -> Generator[tuple[InFlight, Any], None, None]:
+        """The HSDP / replicate all-reduce of ``reduced``, in place on its stream."""
+        streams = self._streams
+        ar_stream = streams.all_reduce
+        in_flight = issue(
+            CollectiveKind.ALL_REDUCE,
+            lambda async_op: collectives_for(self._device).all_reduce(
+                reduced, group, op=op, async_op=async_op
+            ),
+            group=group,
+            tensor=reduced,
+            name=self._name,
+            trace_key=self._trace_key,
+            streams=streams,
+            stream=ar_stream,
+            what=lambda: self._what("all-reduce"),
+        )
+        yield in_flight, ar_stream
+
+    def _assign_sharded_grads(self, output: torch.Tensor) -> bool:
+        """Hand each parameter its slot of the reduced ``output`` (cast to the dtype its
+        sharded gradient is in); whether any of them issued a non-blocking offload copy."""
+        offset = 0
+        offloaded = False
+        # Each parameter views its slot by offset (no narrow per parameter); a cast makes
+        # a new buffer of one run's slots only. Views of an uncast run keep the whole
+        # output alive, the cast runs' slots with it: where those are the larger part the
+        # uncast runs are copied instead, as torch 2.15 does.
+        runs = [(params, dtype, _numel(params)) for params, dtype in _cast_runs(self._sources)]
+        cast = sum(numel for _, dtype, numel in runs if dtype != output.dtype)
+        copy_uncast = 2 * cast > sum(numel for *_, numel in runs)
+        for params, dtype, size in runs:
+            out, start = output, offset
+            if out.dtype != dtype:
+                out, start = output.narrow(0, offset, size).to(dtype), 0
+            elif copy_uncast:
+                out, start = output.narrow(0, offset, size).clone(), 0
+            inner = start
+            for fsdp_param in params:
+                offloaded |= fsdp_param.assign_sharded_grad(out, inner)
+                inner += fsdp_param.padded_sharded_numel
+            offset += inner - start
+        return offloaded
 
     def _partial_in_this_layout(self) -> torch.Tensor | None:
         """The pending partial sum (``set_requires_all_reduce(False)``) laid out as this
@@ -462,7 +517,7 @@ class GradientReduction:
         params = self._sources[0].params
         if partial is None or (len(old) == len(params) and all(map(operator.is_, old, params))):
             return partial
-        slots: dict[FSDPParam, int] = {}
+        slots: dict[ReducedParam, int] = {}
         offset = 0
         for p in old:
             slots[p] = offset
@@ -478,7 +533,7 @@ class GradientReduction:
         return repacked
 
 
-def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[list[FSDPParam], torch.dtype]]:
+def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[list[ReducedParam], torch.dtype]]:
     """The reduced output's slots in order, as runs that are handed back in one dtype: a
     source's whole share, or, where explicit ``grad_dtype``s differ, each stretch of one dtype
     (the group laid its gradients out by dtype, ``FSDPParamGroup.post_backward``)."""
@@ -490,7 +545,7 @@ def _cast_runs(sources: Sequence[GradSource]) -> Iterator[tuple[list[FSDPParam],
                 yield list(run), dtype
 
 
-def _numel(params: Sequence[FSDPParam]) -> int:
+def _numel(params: Sequence[ReducedParam]) -> int:
     return sum(p.padded_sharded_numel for p in params)
 
 

@@ -1,9 +1,9 @@
 """The FSDP tracer's recording half: what the engine gathers, reduces, copies and keeps alive,
 per step and group, as records. Engine code calls only this module; the reports (summary,
-table, Chrome trace, memory plot) are ``_trace_report``'s ``FSDPTracer``.
+table, Chrome trace, memory plot) are ``_report``'s ``FSDPTracer``.
 
 Design note: tracing hooks
-    Each instrumentation point in the engine reads ``if _trace.ACTIVE is not None:`` and only
+    Each instrumentation point in the engine reads ``if _recorder.ACTIVE is not None:`` and only
     then calls a method of the active tracer. With no tracer that is one module-attribute load
     and one identity test per point: nothing is allocated, no clock is read, no function is
     called. One tracer is active per process at a time (``FSDPTracer.start`` refuses a second).
@@ -11,7 +11,8 @@ Design note: tracing hooks
     that runs the engine; a collective's completion is when the engine's wait for it returned.
 
 Design note: traced quantities
-    The planner predicts the same numbers; both sides use these definitions.
+    The planner predicts the same numbers (the gathered bytes aside, below); both sides use
+    these definitions.
 
     - *Step*: the records between two ``FSDPTracer.step()`` calls (the first step starts at
       ``start()``, the last ends at ``stop()``). A step with no records at ``stop()`` is dropped.
@@ -34,7 +35,10 @@ Design note: traced quantities
       storage (``set_keep_unsharded_storage(True)``) frees nothing at reshard: its gathered
       bytes stay alive from its first unshard on, and later unshards add nothing. The
       transient second copy while copy-out splits the buffer into the parameters is not
-      counted. *Gathered bytes alive* is the sum over groups.
+      counted. *Gathered bytes alive* is the sum over groups; the memory plot and the Chrome
+      trace label it "all-gathered (issue to reshard)". It is not the planner's *gathered
+      params* (copy-out to reshard), which leaves the output in flight to its communication
+      buffers: a prefetched group's all-gather counts here from its issue.
     - *Unsharded gradient bytes*: ``sum(numel * element_size)`` of the unsharded gradients a
       group's post-backward takes for reduction; live from the moment they are taken until
       they have been copied into the reduce-scatter input. Gradients accumulated unreduced
@@ -207,7 +211,7 @@ def _nbytes(t: torch.Tensor) -> int:
 class TraceRecorder:
     """The records of one trace and the instrumentation points the engine calls while it is
     ``ACTIVE`` (see Design note: tracing hooks). Users get the subclass ``FSDPTracer``
-    (``_trace_report``), which adds the reports."""
+    (``_report``), which adds the reports."""
 
     def __init__(self) -> None:
         initialized = dist.is_available() and dist.is_initialized()

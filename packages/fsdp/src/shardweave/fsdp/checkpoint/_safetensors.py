@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardweave.fsdp._full_state_dict import (
+from shardweave.fsdp.checkpoint._full_state_dict import (
     GatherBuffers,
     IncompatibleKeys,
     LoadSource,
@@ -144,17 +144,7 @@ def save_safetensors(
     api = "save_safetensors"
     _check_byte_order(api)
     rank, world = _rank_world()
-    entries: list[tuple[str, torch.Tensor]] = []
-    for name, t in state_dict_targets(model).items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{api}: {name!r} is {type(t).__name__}, not a tensor")
-        if t.dtype not in _DTYPE_CODES:
-            raise ValueError(f"{api}: {name!r} has dtype {t.dtype}, which safetensors cannot hold")
-        entries.append((name, t))
-    if metadata is not None and not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise ValueError(f"{api}: metadata must map str to str, got {metadata!r}")
+    entries = _tensor_entries(api, model, metadata)
     header, offsets = _header(entries, metadata)
     data_start = 8 + len(header)
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
@@ -168,28 +158,11 @@ def save_safetensors(
         except OSError as exc:
             error = f"{api}: rank 0 could not write {os.fspath(path)!r}: {exc}"
     _agree(error, world)
-    names_of: dict[int, list[str]] = {}
-    for name, t in entries:
-        names_of.setdefault(id(t), []).append(name)
-    done: set[int] = set()
-    buffers = GatherBuffers(t for _, t in entries)
-    for _, t in entries:
-        if id(t) in done:
-            continue
-        done.add(id(t))
-        # Every rank gathers (a collective); only rank 0 writes. A write error on rank 0 does
-        # not stop it gathering, so no rank is left in a collective; it is raised at the end.
-        full = gather_full_tensor(t, buffers)
-        if f is not None and error is None:
-            try:
-                data = full.to("cpu").contiguous()
-                for alias in names_of[id(t)]:
-                    f.seek(data_start + offsets[alias][0])
-                    _write_bytes(f, data)
-                del data
-            except OSError as exc:
-                error = f"{api}: rank 0 could not write {os.fspath(path)!r}: {exc}"
-        del full  # see Design note: one tensor at a time
+    write = None if f is None or error is not None else f
+    try:
+        _gather_and_write(entries, write, {k: data_start + v[0] for k, v in offsets.items()})
+    except OSError as exc:
+        error = f"{api}: rank 0 could not write {os.fspath(path)!r}: {exc}"
     if f is not None:
         try:
             f.close()
@@ -200,6 +173,58 @@ def save_safetensors(
         except OSError as exc:
             error = error or f"{api}: rank 0 could not write {os.fspath(path)!r}: {exc}"
     _agree(error, world)
+
+
+def _tensor_entries(
+    api: str, model: nn.Module, metadata: dict[str, str] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The model's state-dict entries, once each is known to be a tensor safetensors can
+    store and ``metadata`` to map strings to strings (else ValueError, on every rank)."""
+    entries: list[tuple[str, torch.Tensor]] = []
+    for name, t in state_dict_targets(model).items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{api}: {name!r} is {type(t).__name__}, not a tensor")
+        if t.dtype not in _DTYPE_CODES:
+            raise ValueError(f"{api}: {name!r} has dtype {t.dtype}, which safetensors cannot hold")
+        entries.append((name, t))
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise ValueError(f"{api}: metadata must map str to str, got {metadata!r}")
+    return entries
+
+
+def _gather_and_write(
+    entries: list[tuple[str, torch.Tensor]], f: IO[bytes] | None, starts: dict[str, int]
+) -> None:
+    """Gather each distinct tensor of ``entries`` in turn (a collective: every rank) and, where
+    ``f`` is given (rank 0, no error yet), write it at the file offset of each of its names.
+
+    A write error on rank 0 does not stop it gathering, so no rank is left in a collective:
+    the first one is raised once every tensor is gathered."""
+    names_of: dict[int, list[str]] = {}
+    for name, t in entries:
+        names_of.setdefault(id(t), []).append(name)
+    done: set[int] = set()
+    failed: OSError | None = None
+    buffers = GatherBuffers(t for _, t in entries)
+    for _, t in entries:
+        if id(t) in done:
+            continue
+        done.add(id(t))
+        full = gather_full_tensor(t, buffers)
+        if f is not None and failed is None:
+            try:
+                data = full.to("cpu").contiguous()
+                for alias in names_of[id(t)]:
+                    f.seek(starts[alias])
+                    _write_bytes(f, data)
+                del data
+            except OSError as exc:
+                failed = exc
+        del full  # see Design note: one tensor at a time
+    if failed is not None:
+        raise failed
 
 
 def _agree(error: str | None, world: int) -> None:
@@ -223,6 +248,37 @@ def _read_header(api: str, f: IO[bytes], size: int) -> tuple[int, dict[str, obje
     if not isinstance(header, dict):
         raise ValueError(f"{api}: the header is not a JSON object")
     return 8 + n, header
+
+
+def _mapped_source(
+    api: str, mapped: mmap.mmap, header: dict[str, object], data_start: int, size: int
+) -> LoadSource:
+    """The file's entries as a ``LoadSource``: each full tensor viewed in ``mapped`` (the
+    file's mapping, ``size`` bytes, data from ``data_start``) when fetched, without reading it."""
+    meta: dict[str, TensorMeta] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in _CODE_DTYPES:
+            raise ValueError(f"{api}: entry {name!r} has an unknown dtype: {info!r}")
+        begin, end = info["data_offsets"]
+        if not 0 <= begin <= end <= size - data_start:
+            raise ValueError(f"{api}: entry {name!r} lies outside the file: {info!r}")
+        meta[name] = TensorMeta(_CODE_DTYPES[info["dtype"]], tuple(info["shape"]))
+        spans[name] = (data_start + begin, data_start + end)
+
+    def fetch(name: str) -> torch.Tensor:
+        dtype, shape = meta[name]
+        begin, end = spans[name]
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=begin)
+        if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
+            raw = raw.clone()  # offsets need not be aligned to the element size
+        return raw.view(dtype).view(shape)
+
+    return LoadSource(meta, fetch)
 
 
 def load_safetensors(
@@ -269,31 +325,7 @@ def load_safetensors(
         # ACCESS_COPY: a private, writable mapping (torch.frombuffer wants writable memory);
         # pages are read only when touched, and nothing is ever written back.
         mm = mmap.mmap(fd.fileno(), 0, access=mmap.ACCESS_COPY)
-        meta: dict[str, TensorMeta] = {}
-        spans: dict[str, tuple[int, int]] = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if not isinstance(info, dict) or info.get("dtype") not in _CODE_DTYPES:
-                raise ValueError(f"{api}: entry {name!r} has an unknown dtype: {info!r}")
-            begin, end = info["data_offsets"]
-            if not 0 <= begin <= end <= size - data_start:
-                raise ValueError(f"{api}: entry {name!r} lies outside the file: {info!r}")
-            meta[name] = TensorMeta(_CODE_DTYPES[info["dtype"]], tuple(info["shape"]))
-            spans[name] = (data_start + begin, data_start + end)
-        mapped = mm
-
-        def fetch(name: str) -> torch.Tensor:
-            dtype, shape = meta[name]
-            begin, end = spans[name]
-            if begin == end:
-                return torch.empty(shape, dtype=dtype)
-            raw = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=begin)
-            if raw.data_ptr() % raw.new_empty(0, dtype=dtype).element_size():
-                raw = raw.clone()  # offsets need not be aligned to the element size
-            return raw.view(dtype).view(shape)
-
-        source = LoadSource(meta, fetch)
+        source = _mapped_source(api, mm, header, data_start, size)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         error = f"{api}: rank {rank} could not read {os.fspath(path)!r}: {exc}"
     try:

@@ -128,7 +128,7 @@ Design note: stream ordering
 
     Branches still taken on one kind of device only (``stream_ordered`` or the device type):
     the host wait on a ``Work`` and the early storage release (CPU; gloo completes on the
-    host), ``_fault.wait``'s timed polling and the collective checks' timed waits (CPU; NCCL times
+    host), ``faults/_failures.wait``'s timed polling and the collective checks' timed waits (CPU; NCCL times
     a wait from the issue), the watchdog's abort of the process group (accelerators), the
     stream priorities (CUDA), pinned flat storage and the non-blocking host-to-device /
     device-to-host copies of CPU offload (only when the compute device is not the CPU).

@@ -2,7 +2,7 @@
 
 Functions here take explicit process groups, tensors and streams; they never look at
 modules or training state (the param group and the reduction schedule decide *when*, this
-module decides *how*). See Design note: stream ordering (``_fsdp_streams``).
+module decides *how*). See Design note: stream ordering (``_streams``).
 
 Design note: the collective seam
     Every collective the engine issues (all-gather, reduce-scatter, the HSDP all-reduce,
@@ -11,7 +11,7 @@ Design note: the collective seam
     and calls the comm inside ``stream(...)`` of the stream it belongs to, then records an
     event there. Waiting makes the consuming stream wait for that event and, where the
     backend completes work on its own threads (CPU: gloo, the threaded test group), waits for
-    the ``Work`` on the host, polling the failure channel (``_fault.wait``). On stream-ordered
+    the ``Work`` on the host, polling the failure channel (``_failures.wait``). On stream-ordered
     devices (``CommStreams.stream_ordered``: accelerators, and the test accelerator) the comm
     is called with ``async_op=False`` inside the stream context, as torch's FSDP2 does: the
     backend runs it on that stream, the host never blocks, and buffers live by the engine's
@@ -20,9 +20,9 @@ Design note: the collective seam
     (``_watchdog``) polls each ``Work``, or the event after a stream-ordered collective, for
     completion to diagnose stalls; on stream-ordered devices a wait here never marks a
     collective done (see Design note: the watchdog). Before issuing, the seam raises a
-    failure or verdict this rank adopted (``_fault.raise_if_failed``). The c10d calls themselves come
+    failure or verdict this rank adopted (``_failures.raise_if_failed``). The c10d calls themselves come
     from the ``COLLECTIVES`` extension point (c10d by default, shipped by this package;
-    see ``_comm``).
+    see ``_collectives``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _fault, _trace, _watchdog
 from shardweave.fsdp._fsdp_common import CollectiveKind
-from shardweave.fsdp._fsdp_streams import CommStreams, wait_event
-from shardweave.fsdp._trace import CollectiveRecord
+from shardweave.fsdp.comm._streams import CommStreams, wait_event
+from shardweave.fsdp.faults import _failures, _watchdog
+from shardweave.fsdp.tracing import _recorder
+from shardweave.fsdp.tracing._recorder import CollectiveRecord
 
 __all__ = ["InFlight", "issue"]
 
@@ -63,7 +64,7 @@ class InFlight:
     event: Any  # recorded on the issuing stream after the collective; None on CPU
     record: CollectiveRecord | None = None  # the tracer's, when tracing
     tracked: _watchdog.Tracked | None = None  # the watchdog's entry
-    ignores_timeout: bool = False  # see _fault._wait_on_thread (gloo's reduce-scatter)
+    ignores_timeout: bool = False  # see _failures._wait_on_thread (gloo's reduce-scatter)
     done: bool = field(default=False, init=False)
     # Its Work was waited on the host on a device whose streams do not order collectives
     # (CPU): the collective has finished writing, and its buffers may be released early.
@@ -80,15 +81,15 @@ class InFlight:
             self.finished_on_host = not streams.stream_ordered
             record = self.record
             if record is not None and record.wait_ns is None:
-                record.wait_ns = _trace.now()
+                record.wait_ns = _recorder.now()
             if self.tracked is not None and self.finished_on_host:
                 self.tracked.host_waits()  # the watchdog times a CPU stall from here
             with streams.use(stream):  # NCCL orders an untimed wait on the current stream
                 try:
-                    _fault.wait(
+                    _failures.wait(
                         self.work, self.what, self.device, ignores_timeout=self.ignores_timeout
                     )
-                except (_fault.PeerFailureError, _fault.CollectiveMismatchError):
+                except (_failures.PeerFailureError, _failures.CollectiveMismatchError):
                     raise
                 except RuntimeError as error:
                     # The backend gave up (a peer's connection closed): name the rank.
@@ -97,7 +98,7 @@ class InFlight:
                         raise
                     raise named from error
         if self.record is not None:
-            self.record.complete_ns = _trace.now()
+            self.record.complete_ns = _recorder.now()
         if self.tracked is not None and not streams.stream_ordered:
             # Waited on the host: done, whatever is_completed() says (gloo's reduce-scatter
             # finishes its copy inside wait() and its Work never reports completion). On
@@ -111,9 +112,44 @@ class InFlight:
         if self.work is not None and not self.done:
             self.done = True
             with contextlib.suppress(Exception):
-                _fault.wait(self.work, self.what, self.device)
+                _failures.wait(self.work, self.what, self.device)
         if self.tracked is not None:
             self.tracked.finish()
+
+
+def _check(
+    kind: CollectiveKind,
+    group: dist.ProcessGroup,
+    name: str,
+    tensor: torch.Tensor,
+    device: torch.device,
+    device_type: str,
+    step: int,
+    seq: int,
+) -> None:
+    """The opt-in collective check before collective ``seq`` (see Design note: collective
+    checks, ``faults/_failures``): its signature all-gather, watched like any collective."""
+    checks: list[_watchdog.Tracked] = []
+
+    def watch_check(work: dist.Work) -> None:
+        entry = _watchdog.Tracked(step, seq, kind, name, group, device_type, work, check=True)
+        entry.host_waits()  # the check is waited at once, on the host
+        _watchdog.track(entry)
+        checks.append(entry)
+
+    try:
+        _failures.check_collective(
+            group, kind, name, tensor.numel(), tensor.dtype, device, seq, watch_check
+        )
+    except (_failures.PeerFailureError, _failures.CollectiveMismatchError):
+        raise
+    except RuntimeError as error:  # the backend gave up under the check: name the rank
+        named = _watchdog.explain(checks[0]) if checks else None
+        if named is None:
+            raise
+        raise named from error
+    for entry in checks:
+        entry.finish()  # its result was read on the host
 
 
 def issue(
@@ -139,37 +175,17 @@ def issue(
     then polls the event recorded after it. ``host_wait`` keeps a ``Work`` for a later wait
     there too (torch's ``unshard(async_op=True)``); on CPU the ``Work`` is always kept.
     """
-    _fault.raise_if_failed(what)  # a published failure or verdict: see _fault
-    step, seq = _fault.next_collective()
+    _failures.raise_if_failed(what)  # a published failure or verdict: see faults/_failures
+    step, seq = _failures.next_collective()
     # The streams' device is the tensor's (every collective runs on its group's device); it
     # has the type read already, which costs as much as the rest of this prologue.
     device, device_type = streams.device, streams.device_type
-    if _fault.checks_enabled():
-        checks: list[_watchdog.Tracked] = []
-
-        def watch_check(work: dist.Work) -> None:
-            entry = _watchdog.Tracked(step, seq, kind, name, group, device_type, work, check=True)
-            entry.host_waits()  # the check is waited at once, on the host
-            _watchdog.track(entry)
-            checks.append(entry)
-
-        try:
-            _fault.check_collective(
-                group, kind, name, tensor.numel(), tensor.dtype, device, seq, watch_check
-            )
-        except (_fault.PeerFailureError, _fault.CollectiveMismatchError):
-            raise
-        except RuntimeError as error:  # the backend gave up under the check: name the rank
-            named = _watchdog.explain(checks[0]) if checks else None
-            if named is None:
-                raise
-            raise named from error
-        for entry in checks:
-            entry.finish()  # its result was read on the host
+    if _failures.checks_enabled():
+        _check(kind, group, name, tensor, device, device_type, step, seq)
     record = None
-    if _trace.ACTIVE is not None:  # see Design note: tracing hooks (_trace)
+    if _recorder.ACTIVE is not None:  # see Design note: tracing hooks (tracing/_recorder)
         key = trace_key if isinstance(trace_key, str) else trace_key()
-        record = _trace.ACTIVE.collective_issue(kind, key, tensor, group)
+        record = _recorder.ACTIVE.collective_issue(kind, key, tensor, group)
     host_side = host_wait or not streams.stream_ordered
     with streams.use(stream):
         work = launch(host_side)

@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from shardweave.fsdp import _channel
-from shardweave.fsdp._consistency import FSDPConsistencyError
 from shardweave.fsdp._fsdp_common import CollectiveKind
 from shardweave.fsdp._torch_compat import all_gather_single
+from shardweave.fsdp.faults import _channel
+from shardweave.fsdp.faults._consistency import FSDPConsistencyError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store

@@ -4,7 +4,7 @@ process groups, and how long they wait for each other.
 Design note: the channel
     Whatever the ranks tell each other besides the model's collectives goes through the default
     c10d store (the one every rank joined the process group with), by the rules of this
-    module, so that the consistency check (``_consistency``), the failure channel (``_fault``)
+    module, so that the consistency check (``_consistency``), the failure channel (``_failures``)
     and the watchdog (``_watchdog``) share one protocol:
 
     - **Keys** are ``shardweave/<scope>/...`` (``key``). The scopes in use:

@@ -13,8 +13,6 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from shardweave.fsdp import _fault, _trace, _watchdog
-from shardweave.fsdp._consistency import check_ranks_agree, describe_groups
 from shardweave.fsdp._fsdp_api import policy_repr
 from shardweave.fsdp._fsdp_common import (
     TrainingState,
@@ -26,9 +24,12 @@ from shardweave.fsdp._fsdp_common import (
     moves_forward_inputs,
     run_eagerly,
 )
-from shardweave.fsdp._fsdp_param_group import FSDPCommContext, FSDPParamGroup
-from shardweave.fsdp._spmd_types import activate_outside_typecheck, outside_typecheck
 from shardweave.fsdp._torch_compat import STATE_EXPOSES_ONE_GROUP
+from shardweave.fsdp.core._param_group import FSDPCommContext, FSDPParamGroup
+from shardweave.fsdp.core._spmd_types import activate_outside_typecheck, outside_typecheck
+from shardweave.fsdp.faults import _failures, _watchdog
+from shardweave.fsdp.faults._consistency import check_ranks_agree, describe_groups
+from shardweave.fsdp.tracing import _recorder
 from shardweave.mesh import DDPMeshInfo
 
 if TYPE_CHECKING:
@@ -308,19 +309,19 @@ class FSDPState:
             self._device,
             self.api.name,
         )
-        _fault.new_epoch(nonce)
+        _failures.new_epoch(nonce)
         _watchdog.new_epoch()
         self._register_failure_hooks(root)
 
     def _register_failure_hooks(self, root: nn.Module) -> None:
-        """Publish an exception escaping the root's forward (see ``_fault``) so peers waiting
+        """Publish an exception escaping the root's forward (see ``faults/_failures``) so peers waiting
         in a collective raise instead of hanging."""
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
             exc = sys.exc_info()[1]
             # An exception the caller was already handling when forward began is not ours.
             if exc is not None and exc is not self._exc_at_forward:
-                _fault.publish_failure(exc, f"forward of {type(module).__name__}")
+                _failures.publish_failure(exc, f"forward of {type(module).__name__}")
             self._exc_at_forward = None
 
         # A forward hook, not a pre-hook: this runs inside the pre-hooks' iteration.
@@ -409,8 +410,10 @@ class FSDPState:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:  # see _trace
-            return _trace.ACTIVE.time_hook(
+        if (
+            _recorder.ACTIVE is not None and _recorder.ACTIVE.hook_depth == 0
+        ):  # see tracing/_recorder
+            return _recorder.ACTIVE.time_hook(
                 "pre_forward", self._trace_key, self._pre_forward, module, args, kwargs
             )
         if (
@@ -454,8 +457,8 @@ class FSDPState:
         if self._state_ctx.iter_forward_root is not None:
             return args, kwargs
         self._state_ctx.iter_forward_root = self
-        _fault.new_step()
-        # See Design note: stream ordering (_fsdp_streams), point 1: the optimizer wrote the
+        _failures.new_step()
+        # See Design note: stream ordering (comm/_streams), point 1: the optimizer wrote the
         # shards that this iteration's all-gathers read.
         streams = self._comm_ctx.streams(self._device)
         event, self._state_ctx.post_optim_event = self._state_ctx.post_optim_event, None
@@ -471,8 +474,8 @@ class FSDPState:
 
     @outside_typecheck
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
-            return _trace.ACTIVE.time_hook(
+        if _recorder.ACTIVE is not None and _recorder.ACTIVE.hook_depth == 0:
+            return _recorder.ACTIVE.time_hook(
                 "post_forward", self._trace_key, self._post_forward, module, args, output
             )
         if self._training_state == TrainingState.PRE_BACKWARD:
@@ -486,7 +489,7 @@ class FSDPState:
             self._comm_ctx.wait_for_previous_all_gather()  # the forward's last copy-out
             self._comm_ctx.end_forward()
             self._state_ctx.iter_forward_root = None
-            _fault.enter_phase(_fault.Phase.AFTER_FORWARD)  # the watchdog's position
+            _failures.enter_phase(_failures.Phase.AFTER_FORWARD)  # the watchdog's position
         return self._cast_output(output)
 
     def _complete_unfinished_states(self, output: Any) -> None:
@@ -533,12 +536,12 @@ class FSDPState:
 
     @outside_typecheck
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        if _trace.ACTIVE is not None and _trace.ACTIVE.hook_depth == 0:
-            return _trace.ACTIVE.time_hook(
+        if _recorder.ACTIVE is not None and _recorder.ACTIVE.hook_depth == 0:
+            return _recorder.ACTIVE.time_hook(
                 "pre_backward", self._trace_key, self._pre_backward, grad
             )
         self._training_state = TrainingState.PRE_BACKWARD
-        _fault.enter_phase(_fault.Phase.BACKWARD)  # the watchdog's position
+        _failures.enter_phase(_failures.Phase.BACKWARD)  # the watchdog's position
         self._queue_final_callback()
         default_prefetch = not self._states_to_backward_prefetch
         for group in self._fsdp_param_groups:
@@ -624,7 +627,7 @@ class FSDPState:
                     self._end_backward_iteration()
             elif self._finish_reductions_at_backward_end_now():
                 self._comm_ctx.reductions.finish()
-            _fault.enter_phase(_fault.Phase.AFTER_BACKWARD)  # the watchdog's position
+            _failures.enter_phase(_failures.Phase.AFTER_BACKWARD)  # the watchdog's position
         finally:
             ctx.post_backward_final_callback_queued = False
 
@@ -743,7 +746,7 @@ class FSDPState:
         if token is not None:
             self._state_ctx.reduction_handle_pending = False
             self._comm_ctx.pending_reduction_owner = None
-        _fault.enter_phase(_fault.Phase.AFTER_BACKWARD)  # the watchdog's position
+        _failures.enter_phase(_failures.Phase.AFTER_BACKWARD)  # the watchdog's position
 
     # --- recovery -----------------------------------------------------------------------------
     def reset_iter_state(self) -> None:

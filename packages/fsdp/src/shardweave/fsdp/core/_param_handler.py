@@ -17,7 +17,7 @@ its ``pyproject.toml``::
 or in code with ``PARAM_KINDS.register("my_kind", ParamKind(MyKind, handler=MyHandler()))``.
 Nothing in ``FSDPParam`` changes; ``dtensor_kind`` in ``shardweave-extensions`` is the worked
 example. (How a tensor *subclass* travels through the all-gather is the kind's ``all_gather``
-part, or torch's ``fsdp_pre_all_gather`` protocol: see ``_fsdp_subclass_gather``.)
+part, or torch's ``fsdp_pre_all_gather`` protocol: see ``_subclass_gather``.)
 
 Design note: handler resolution
     ``resolve_param_handler`` answers, in order: the handler of the kind ``PARAM_KINDS`` finds
