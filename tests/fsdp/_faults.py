@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardweave.fsdp import fully_shard
+from tests._dist import keep_process_group
 
 PG_TIMEOUT = datetime.timedelta(seconds=30)
 DEADLINE_S = 10.0  # the target: peers learn of a failure well inside the PG timeout
@@ -49,6 +50,7 @@ class Net(nn.Module):
 
 def _fresh_mesh() -> DeviceMesh:
     pg = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+    keep_process_group(pg)  # a fault may leave a collective on it that never completes
     return DeviceMesh.from_group(pg, "cpu")
 
 

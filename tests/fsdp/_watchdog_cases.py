@@ -41,6 +41,7 @@ from shardweave.fsdp import (
     set_stall_timeout,
 )
 from shardweave.fsdp.faults._watchdog import DEFAULT_STALL_S
+from tests._dist import keep_process_group
 from tests.fsdp._faults import _build, _fresh_mesh, _step
 
 STALL_S = 1.0  # the stall threshold, scaled down from 10 s
@@ -211,6 +212,7 @@ def leaves_the_loop(rank: int, world: int) -> tuple[float, list[float], str]:
     with scaled_thresholds():
         try:
             pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_S))
+            keep_process_group(pg)  # the peers' last all-gather on it never completes
             net = _build(DeviceMesh.from_group(pg, "cpu"))
             _step(net, rank, 0)
             start = time.monotonic()

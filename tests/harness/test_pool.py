@@ -77,6 +77,21 @@ def _param_kind_plugins(rank: int, world_size: int) -> list[str]:
     return sorted(PARAM_KINDS.registered())
 
 
+def _make_groups(rank: int, world_size: int) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("a", "b"))  # kept by no one
+    whole = dist.new_group(list(range(world_size)))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=whole)  # used, then left behind
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _live_groups(rank: int, world_size: int) -> tuple[int, int]:
+    threads = sum(1 for _ in os.scandir("/proc/self/task")) if os.path.isdir("/proc") else 0
+    return len(dist.distributed_c10d._world.pg_map), threads
+
+
 def _die_on_rank0(rank: int, world_size: int) -> None:
     if rank == 0:
         os._exit(3)
@@ -119,6 +134,21 @@ def test_registries_reset_between_bodies(world2: WorkerPool) -> None:
     assert "demo" in PARAM_KINDS.registered()
     world2.run(_unregister_demo_plugin)
     assert world2.run(_param_kind_plugins) == [sorted(PARAM_KINDS.registered())] * 2
+
+
+def test_process_groups_released_between_bodies(world4: WorkerPool) -> None:
+    """A body's process groups (each gloo group holds threads that wake while idle) are
+    destroyed after it; the default group stays, and so do those a fault test kept
+    (``keep_process_group``)."""
+    (before, threads), *_ = world4.run(_live_groups)
+    made = world4.run(_make_groups)
+    assert made == [before + 3] * 4  # the mesh's two dims and the new group
+    for _ in range(3):
+        world4.run(_make_groups)
+    after = world4.run(_live_groups)
+    assert [groups for groups, _ in after] == [before] * 4, (before, after)
+    if threads:  # each group's gloo threads ended with it (a few may be the backend's own)
+        assert all(n <= threads + 4 for _, n in after), (threads, after)
 
 
 def test_failure_on_one_rank_is_reported_fast(world2: WorkerPool) -> None:

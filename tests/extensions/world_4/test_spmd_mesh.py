@@ -66,7 +66,8 @@ _MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
 
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    # One mesh (and set of process groups) per layout per worker, shared by the cases.
+    # One mesh (and set of process groups) per layout per body, shared by its cases: the
+    # worker destroys a body's process groups after it (tests/_dist/_worker.py).
     key = (shape, names)
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -261,6 +262,7 @@ CASES = {
 
 
 def spmd_cases(rank: int, world: int, names: list[str]) -> None:
+    _MESHES.clear()
     for name in names:
         CASES[name](rank, world)
 
@@ -272,6 +274,7 @@ def test_spmd_mesh_training_matches_torch_and_reference(world4: WorkerPool) -> N
 
 
 def spmd_misuse(rank: int, world: int) -> None:
+    _MESHES.clear()
     mesh = _mesh((2, 2), ("dp", "tp"))
     other = _mesh((2, 2), ("a", "b"))
     shard_dp: tuple[Placement, ...] = (Shard(0), Replicate())

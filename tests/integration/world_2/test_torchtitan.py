@@ -237,6 +237,7 @@ def _train(
 
 
 def titan_parity(rank: int, world: int, variant: str) -> list[float]:
+    _PARALLEL_DIMS.clear()  # the worker destroys a body's process groups after it
     theirs = _run("torch", variant, rank)
     with no_torch_engine():
         ours = _run("shardweave", variant, rank)

@@ -8,6 +8,7 @@ back up to ``fully_shard``; the class to mix in is passed in (``module_cls``).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, cast
 
@@ -224,12 +225,29 @@ def post_forward_mesh_info(
         elif k == size:
             reshard_after_forward = True
         else:
-            # A (n/k, k) view of the whole data-parallel mesh: its rows are the smaller groups.
-            # New process groups: every rank makes this call in the same order.
-            ranks = mesh_info.mesh.mesh.reshape(-1, k)
-            mesh = DeviceMesh(mesh_info.mesh.device_type, ranks)
+            mesh = _post_forward_mesh(mesh_info.mesh, k)
             return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     return mesh_info if reshard_after_forward else None
+
+
+# (id of a data-parallel mesh, factor) -> its post-forward mesh, while that mesh lives.
+_POST_FORWARD_MESHES: dict[tuple[int, int], DeviceMesh] = {}
+
+
+def _post_forward_mesh(mesh: DeviceMesh, k: int) -> DeviceMesh:
+    """A (n/k, k) view of the whole data-parallel mesh, whose rows are the smaller groups; one
+    per mesh object and factor. Torch builds a new one, so new process groups, at every
+    ``fully_shard`` call: a model sharded per layer with ``reshard_after_forward=k`` then holds
+    a communicator set per layer (on gloo, two threads per rank per group).
+    Sharing one is safe because every rank issues every group's collectives in the same order,
+    and deterministic across ranks because a hit needs the very mesh object an earlier call
+    got (an entry leaves with its mesh, before its id can be reused). Creating one is a
+    collective: every rank makes the call in the same order."""
+    key = (id(mesh), k)
+    if key not in _POST_FORWARD_MESHES:
+        _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, k))
+        weakref.finalize(mesh, _POST_FORWARD_MESHES.pop, key, None)
+    return _POST_FORWARD_MESHES[key]
 
 
 _post_forward_mesh_info = post_forward_mesh_info  # for build_groups, whose argument shadows it
