@@ -303,23 +303,15 @@ def _peak_in_window(prof: Any, host: frozenset[int] = frozenset()) -> tuple[int,
     return min(found)
 
 
-def freed_inside(prof: Any, name: str) -> int:
-    """Bytes of CPU tensor memory freed inside the ``record_function(name)`` window of a
-    ``memory_profile``, from the allocator's own events (it reports the frees of what it saw
-    allocated inside the profile): what the objects dropped there really held, whatever
-    storage objects they reach it through (a view keeps its whole base alive; the engine's
-    sharded gradients are DLPack aliases of slots of one buffer, ``own_storage``)."""
-    from torch._C._profiler import _EventType
-
-    events = _profile_events(prof)
-    (window,) = [e for e in events if e.name == name]
-    return -sum(
-        e.typed[1].alloc_size
-        for e in events
-        if e.tag == _EventType.Allocation
-        and e.typed[1].alloc_size < 0
-        and window.start_time_ns <= e.start_time_ns <= window.end_time_ns
-    )
+def grad_storages(model: nn.Module) -> list[int]:
+    """Where each gradient's (local) storage starts: what ``held_by`` looks up. The storage, not
+    the data: a gradient with no local elements may still hold a padded slot."""
+    return [
+        ptr
+        for p in model.parameters()
+        if p.grad is not None
+        and (ptr := getattr(p.grad, "_local_tensor", p.grad).untyped_storage().data_ptr())
+    ]
 
 
 def held_by(prof: Any, name: str, ptrs: list[int]) -> int:
@@ -444,12 +436,7 @@ def measure(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             for v in state.values()
             if isinstance(v, torch.Tensor)
         )
-        grad_ptrs = [  # a gradient with no local elements may still hold a padded slot
-            ptr
-            for p in model.parameters()
-            if p.grad is not None
-            and (ptr := getattr(p.grad, "_local_tensor", p.grad).untyped_storage().data_ptr())
-        ]
+        grad_ptrs = grad_storages(model)
         with record_function(DROP_GRADS):
             opt.zero_grad()
             gc.collect()

@@ -33,7 +33,7 @@ from tests._dist import WorkerPool
 from tests._dist.stream_sanitizer import stream_sanitizer
 from tests.fsdp._models import TinyGPT, loss_fn, make_batch, make_model
 from tests.fsdp._oracle import TORCH_HAS_EXPLICIT_GRAD_DTYPE, assert_same_as_torch
-from tests.fsdp._plan_real import freed_inside, memory_profile
+from tests.fsdp._plan_real import grad_storages, held_by, memory_profile
 
 TORCH_HAS_OVERRIDE = "param_dtype_override_fn" in {
     f.name for f in dataclasses.fields(TorchMixedPrecisionPolicy)
@@ -346,9 +346,9 @@ def explicit_grad_dtype(rank: int, world: int, case: str, microbatches: int) -> 
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, tmodel)]
     for step in range(2):
         with memory_profile() as prof:
-            _explicit_grad_dtype_step(model, tmodel, opts, case, step, rank, microbatches)
-        # What the gradients really held: the bytes dropping them freed.
-        held = freed_inside(prof, "drop 0"), freed_inside(prof, "drop 1")
+            ptrs = _explicit_grad_dtype_step(model, tmodel, opts, case, step, rank, microbatches)
+        # What the gradients really held: the allocations holding them when dropped.
+        held = held_by(prof, "drop 0", ptrs[0]), held_by(prof, "drop 1", ptrs[1])
         assert held[0] == held[1] > 0, f"{case} step {step}: gradients hold {held} bytes"
 
 
@@ -360,7 +360,7 @@ def _explicit_grad_dtype_step(  # one step of both engines, then each drops its 
     step: int,
     rank: int,
     microbatches: int,
-) -> None:
+) -> list[list[int]]:
     for micro in range(microbatches):
         batch = make_batch("gpt", 1000 * step + 10 * micro + rank)
         losses = []
@@ -379,10 +379,12 @@ def _explicit_grad_dtype_step(  # one step of both engines, then each drops its 
     for o in opts:
         o.step()
     assert_same_as_torch(model, tmodel, f"{case} after step {step}")
+    held = [grad_storages(m) for m in (model, tmodel)]
     for i, o in enumerate(opts):
         with record_function(f"drop {i}"):
             o.zero_grad()
             gc.collect()
+    return held
 
 
 @pytest.mark.skipif(
