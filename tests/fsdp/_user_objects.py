@@ -365,12 +365,36 @@ FULL_CPU: Final = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 MODEL_SD: Final = Holder("model.state_dict()", lambda s: s.model.state_dict(), True)
 DCP_SD: Final = Holder("get_model_state_dict", lambda s: get_model_state_dict(s.model), True)
+
+
+def _waited(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A full state dict whose wrapper-subclass values hold their gathered data, not a pending
+    collective. DTensor's ``full_tensor`` of a wrapper subclass (the all-gather protocol's
+    ``BF16Gather``) hands back the subclass around an ``AsyncCollectiveTensor`` on either engine,
+    and pickling flattens the subclass without a dispatch, so nothing waits: ``torch.save`` can
+    read the output buffer before gloo has written it (torch warns that the collective's output
+    was never waited on; one CI run saved other values on one rank). A user of such a subclass
+    waits first, as here; plain tensors are left as they come."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for value in state_dict.values():
+        if is_traceable_wrapper_subclass(value) and not isinstance(value, AsyncCollectiveTensor):
+            for name in value.__tensor_flatten__()[0]:
+                inner = getattr(value, name)
+                if isinstance(inner, AsyncCollectiveTensor):
+                    setattr(value, name, inner.wait())
+    return state_dict
+
+
 DCP_FULL: Final = Holder(
-    "get_model_state_dict(full)", lambda s: get_model_state_dict(s.model, options=FULL), True
+    "get_model_state_dict(full)",
+    lambda s: _waited(get_model_state_dict(s.model, options=FULL)),
+    True,
 )
 DCP_FULL_CPU: Final = Holder(
     "get_model_state_dict(full, cpu_offload)",
-    lambda s: get_model_state_dict(s.model, options=FULL_CPU),
+    lambda s: _waited(get_model_state_dict(s.model, options=FULL_CPU)),
     True,
 )
 # Not after an eval forward: with the parameters left unsharded, get_optimizer_state_dict cannot
