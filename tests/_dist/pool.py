@@ -49,8 +49,9 @@ class WorkerPool:
     thread. Before every body it calls ``seed_everything(0)`` and syncs the ranks; after it, it
     restores the default dtype, deterministic-algorithms flag, grad mode and the plugin
     registries, and destroys the process groups the body made (``keep_process_group`` keeps
-    one a fault test may leave with a collective that never completes). A body failing or timing out kills the workers and starts fresh ones (new store
-    file), so the next test starts clean.
+    one a fault test may leave with a collective that never completes). A body failing or
+    timing out kills the workers and starts fresh ones (new store file), so the next test
+    starts clean.
 
     Example::
 

@@ -237,6 +237,13 @@ def _profile_events(prof: Any) -> list[Any]:
     return events
 
 
+def _cpu_allocations(events: list[Any]) -> list[Any]:
+    """The profile's CPU allocation events (a free is one with a negative size)."""
+    from torch._C._profiler import _EventType
+
+    return [e for e in events if e.tag == _EventType.Allocation and e.typed[1].device.type == "cpu"]
+
+
 def _peak_in_window(prof: Any, host: frozenset[int] = frozenset()) -> tuple[int, int]:
     """(peak, total before the window) of live CPU tensor bytes; see the module docstring.
     With several windows (identical steps), the smallest peak and its window's total before:
@@ -254,8 +261,6 @@ def _peak_in_window(prof: Any, host: frozenset[int] = frozenset()) -> tuple[int,
     ``host``: addresses of storages that are host memory on the test accelerator (CPU offload:
     sharded parameters, gradients, optimizer state, all CPU tensors there as the "device"'s
     are); the last allocation at each, still alive at the end, is not counted."""
-    from torch._C._profiler import _EventType
-
     events = _profile_events(prof)
     windows = [e for e in events if e.name == WINDOW]
     assert windows, "no measured window"
@@ -268,8 +273,7 @@ def _peak_in_window(prof: Any, host: frozenset[int] = frozenset()) -> tuple[int,
             e.typed[1].ptr,
             e.typed[1].alloc_size > 0 and _is_backend_staging(e, main_tid),
         )
-        for e in events
-        if e.tag == _EventType.Allocation and e.typed[1].device.type == "cpu"
+        for e in _cpu_allocations(events)
     )
     if host:
         last = {ptr: i for i, (_, size, ptr, _) in enumerate(allocs) if size > 0 and ptr in host}
@@ -322,17 +326,13 @@ def held_by(prof: Any, name: str, ptrs: list[int]) -> int:
     ``own_storage``). Read from the allocations, not from the frees inside the window: gloo's
     Work of an all-reduce can keep the reduced buffer until gloo's own thread drops it, after
     the window on a loaded machine (one CI run measured 7252 of 19492 bytes that way)."""
-    from torch._C._profiler import _EventType
-
     events = _profile_events(prof)
     (window,) = [e for e in events if e.name == name]
     live: dict[int, int] = {}  # address -> bytes
     for _, size, ptr in sorted(
         (e.start_time_ns, e.typed[1].alloc_size, e.typed[1].ptr)
-        for e in events
-        if e.tag == _EventType.Allocation
-        and e.typed[1].device.type == "cpu"
-        and e.start_time_ns < window.start_time_ns
+        for e in _cpu_allocations(events)
+        if e.start_time_ns < window.start_time_ns
     ):
         if size > 0:
             live[ptr] = size
